@@ -1,0 +1,72 @@
+"""A model runner without tensors: loads, faults, saves and deterministic sampling.
+
+The pure engine uses it for fast fault sweeps and tests; the torch data plane in
+:mod:`kvmetrics.kv` does the same bookkeeping plus real KV and verification.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.engine.faults import FaultPlan
+from kvmetrics.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from kvmetrics.engine.tokens import VOCAB_SIZE, mix64
+from kvmetrics.engine.transfers import TransferTracker
+
+#: Token id the sampler emits to stop a request (requests opt in via eos_token_id).
+EOS_TOKEN_ID = VOCAB_SIZE
+
+
+def request_seed(request_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little")
+
+
+def sample_token(seed: int, position: int, eos_probability: float = 0.0) -> int:
+    """The next token of a request at ``position``: a pure function, so runs repeat."""
+    x = mix64(seed ^ (position * 0x9E3779B97F4A7C15 & ((1 << 64) - 1)))
+    if eos_probability > 0 and (x >> 40) / 2**24 < eos_probability:
+        return EOS_TOKEN_ID
+    return x % VOCAB_SIZE
+
+
+class SimulatedExecutor:
+    def __init__(self, faults: FaultPlan | None = None, store: ExternalStoreIndex | None = None,
+                 eos_probability: float = 0.0, async_delay_steps: int = 1) -> None:
+        self.store = store
+        self.eos_probability = eos_probability
+        self.transfers = (TransferTracker(faults or FaultPlan(), store, async_delay_steps)
+                          if store is not None else None)
+        self._seeds: dict[str, int] = {}
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
+        bad_requests: set[str] = set()
+        if self.transfers is not None:
+            for outcome in self.transfers.start(out.step, out.loads):
+                result.invalid_block_ids.update(outcome.failed)
+                if outcome.failed:
+                    bad_requests.add(outcome.spec.request_id)
+            for outcome in self.transfers.finish_due(out.step):
+                result.invalid_block_ids.update(outcome.failed)
+                result.finished_recving.add(outcome.spec.request_id)
+        if self.store is not None:
+            for save in out.saves:
+                if save.request_id not in bad_requests:
+                    self.store.insert(save.block_hash)
+        for sched in out.scheduled:
+            end = sched.num_computed_tokens + sched.num_scheduled_tokens
+            if end < sched.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            seed = self._seeds.get(sched.request_id)
+            if seed is None:
+                seed = self._seeds[sched.request_id] = request_seed(sched.request_id)
+            result.sampled_token_ids[sched.request_id] = [
+                sample_token(seed, end, self.eos_probability)]
+        for rid in out.finished_req_ids:
+            self._seeds.pop(rid, None)
+        return result
+
+    @property
+    def has_pending_work(self) -> bool:
+        return self.transfers is not None and self.transfers.has_in_flight

@@ -1,0 +1,1 @@
+"""Engine-agnostic core: the metric catalogue, step events, the guard and the pipeline."""

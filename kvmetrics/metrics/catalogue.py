@@ -1,0 +1,214 @@
+"""The one catalogue of every series kvmetrics exports.
+
+Exporters, dashboards, alert rules, docs and tests read this module; nothing else
+spells a metric name. Renaming a series here is a breaking change for every
+dashboard and alert that users have imported, so it must be recorded in
+docs/metrics.md and the changelog.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+MetricKind = Literal["counter", "gauge", "histogram", "info"]
+
+PREFIX = "kvmetrics_"
+
+#: Labels carried by every series, so that several models and data-parallel
+#: engines can share one Prometheus without colliding.
+COMMON_LABELS: tuple[str, ...] = ("model_name", "engine")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """Static description of one exported metric family.
+
+    ``name`` is the name as it appears on the scrape page for the sample a user
+    queries: counters carry their ``_total`` suffix here, because forgetting it
+    is exactly how a shipped alert ends up querying a series that never exists.
+    """
+
+    name: str
+    kind: MetricKind
+    help: str
+    unit: str = ""
+    #: Extra labels beyond :data:`COMMON_LABELS`, with every allowed value. A
+    #: bounded value set is what keeps cardinality under control: request ids
+    #: can never become label values.
+    labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    buckets: tuple[float, ...] = ()
+    #: Labels whose values are not enumerable up front (metric names in the
+    #: violations counter, version strings); bounded by construction instead.
+    open_labels: tuple[str, ...] = ()
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return COMMON_LABELS + tuple(self.labels) + self.open_labels
+
+    @property
+    def base_name(self) -> str:
+        """Name without the ``_total`` suffix (what prometheus-client wants)."""
+        if self.kind == "counter" and self.name.endswith("_total"):
+            return self.name[: -len("_total")]
+        if self.kind == "info" and self.name.endswith("_info"):
+            return self.name[: -len("_info")]
+        return self.name
+
+    def series_names(self) -> tuple[str, ...]:
+        """Every sample name this family exposes on a scrape page."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+
+SOURCE = ("local", "external")
+ADMISSION = ("first", "repeat")
+MODE = ("sync", "async")
+POLICY = ("recompute", "fail")
+FINISH_REASONS = ("stopped", "length", "aborted", "error")
+REQUEST_STATES = ("running", "waiting", "waiting_for_remote_kv")
+VIOLATION_KINDS = ("negative", "non_finite", "invariant")
+
+#: Microseconds to seconds: the recovery path is a few dict look-ups when one
+#: block fails and a cache-wide scan when thousands do.
+RECOVERY_BUCKETS: tuple[float, ...] = (
+    1e-6, 5e-6, 1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0,
+)
+
+PREFIX_CACHE_QUERY_TOKENS = MetricSpec(
+    "kvmetrics_prefix_cache_query_tokens_total", "counter",
+    "Prompt tokens looked up in the local prefix cache (source=local) or offered to "
+    "the KV connector (source=external), counted once per admission; admission=repeat "
+    "marks a re-admission after preemption or after a failed load was reset.",
+    unit="tokens", labels={"source": SOURCE, "admission": ADMISSION},
+)
+PREFIX_CACHE_HIT_TOKENS = MetricSpec(
+    "kvmetrics_prefix_cache_hit_tokens_total", "counter",
+    "Of the queried prompt tokens, those found in the local prefix cache or matched "
+    "by the KV connector (external hits are counted even if the load later fails).",
+    unit="tokens", labels={"source": SOURCE, "admission": ADMISSION},
+)
+PROMPT_TOKENS = MetricSpec(
+    "kvmetrics_prompt_tokens_total", "counter",
+    "Prompt tokens of a request's first scheduled prefill, by where their KV came "
+    "from: computed, local prefix cache, or loaded through the KV connector.",
+    unit="tokens", labels={"source": ("compute", "local_cache", "external")},
+)
+KV_LOAD_BLOCKS = MetricSpec(
+    "kvmetrics_kv_load_blocks_total", "counter",
+    "External KV blocks whose load finished, by load mode and outcome.",
+    unit="blocks", labels={"mode": MODE, "outcome": ("ok", "failed")},
+)
+KV_LOAD_FAILED_REQUESTS = MetricSpec(
+    "kvmetrics_kv_load_failed_requests_total", "counter",
+    "Requests hit by a failed KV load, and what the failure policy did with them.",
+    unit="requests",
+    labels={"mode": MODE, "policy": POLICY, "action": ("rescheduled", "failed")},
+)
+ROLLED_BACK_TOKENS = MetricSpec(
+    "kvmetrics_rolled_back_tokens_total", "counter",
+    "Computed tokens taken back by the KV-load recovery path (computed count before "
+    "the failed step minus the count it was truncated to).",
+    unit="tokens", labels={"mode": MODE, "policy": POLICY},
+)
+RECOMPUTED_TOKENS = MetricSpec(
+    "kvmetrics_recomputed_tokens_total", "counter",
+    "Tokens scheduled for computation whose KV had already been computed or loaded "
+    "before, by the cause that threw it away.",
+    unit="tokens", labels={"cause": ("kv_load_failure", "preemption")},
+)
+EVICTED_BLOCKS = MetricSpec(
+    "kvmetrics_evicted_blocks_total", "counter",
+    "Blocks removed from the prefix cache, by cause: reuse of a free block "
+    "(capacity), a failed KV load (kv_load_failure), or a cache reset.",
+    unit="blocks", labels={"cause": ("capacity", "kv_load_failure", "reset")},
+)
+PREEMPTIONS = MetricSpec(
+    "kvmetrics_preemptions_total", "counter",
+    "Running requests preempted because the KV cache ran out of free blocks.",
+    unit="requests",
+)
+FINISHED_REQUESTS = MetricSpec(
+    "kvmetrics_finished_requests_total", "counter",
+    "Requests that finished, by reason (error includes requests failed by the "
+    "kv_load_failure_policy=fail path).",
+    unit="requests", labels={"reason": FINISH_REASONS},
+)
+COUNTER_VIOLATIONS = MetricSpec(
+    "kvmetrics_counter_violations_total", "counter",
+    "Counter increments refused by the guard (negative or non-finite amounts) and "
+    "broken per-step invariants. Any increase is a bug in the engine's accounting.",
+    unit="violations", labels={"kind": VIOLATION_KINDS}, open_labels=("metric",),
+)
+KV_VERIFIED_TOKENS = MetricSpec(
+    "kvmetrics_kv_verified_tokens_total", "counter",
+    "Tokens of KV that the data-plane verifier compared with a clean computation "
+    "before a request read them.",
+    unit="tokens",
+)
+KV_VERIFICATION_FAILURES = MetricSpec(
+    "kvmetrics_kv_verification_failures_total", "counter",
+    "Reads of KV that differed from a clean computation (a request attended over "
+    "stale or poisoned KV).",
+    unit="findings",
+)
+KV_CACHE_USAGE = MetricSpec(
+    "kvmetrics_kv_cache_usage_ratio", "gauge",
+    "Share of KV cache blocks in use by requests, 0..1.",
+    unit="ratio",
+)
+REQUESTS = MetricSpec(
+    "kvmetrics_requests", "gauge",
+    "Requests in the scheduler by state.",
+    unit="requests", labels={"state": REQUEST_STATES},
+)
+RECOVERY_DURATION = MetricSpec(
+    "kvmetrics_recovery_duration_seconds", "histogram",
+    "Wall time spent in the KV-load recovery path, per scheduler step that ran it.",
+    unit="seconds", buckets=RECOVERY_BUCKETS,
+)
+BUILD_INFO = MetricSpec(
+    "kvmetrics_build_info", "info",
+    "kvmetrics version and the kind of engine it instruments (value is always 1).",
+    open_labels=("version", "engine_kind"),
+)
+
+ALL_METRICS: tuple[MetricSpec, ...] = (
+    PREFIX_CACHE_QUERY_TOKENS,
+    PREFIX_CACHE_HIT_TOKENS,
+    PROMPT_TOKENS,
+    KV_LOAD_BLOCKS,
+    KV_LOAD_FAILED_REQUESTS,
+    ROLLED_BACK_TOKENS,
+    RECOMPUTED_TOKENS,
+    EVICTED_BLOCKS,
+    PREEMPTIONS,
+    FINISHED_REQUESTS,
+    COUNTER_VIOLATIONS,
+    KV_VERIFIED_TOKENS,
+    KV_VERIFICATION_FAILURES,
+    KV_CACHE_USAGE,
+    REQUESTS,
+    RECOVERY_DURATION,
+    BUILD_INFO,
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in ALL_METRICS}
+COUNTERS: tuple[MetricSpec, ...] = tuple(s for s in ALL_METRICS if s.kind == "counter")
+
+
+def exported_series_names() -> frozenset[str]:
+    """Every sample name that may appear on the scrape page (for rule/dashboard checks)."""
+    names: set[str] = set()
+    for spec in ALL_METRICS:
+        names.update(spec.series_names())
+    return frozenset(names)
+
+
+def spec(name: str) -> MetricSpec:
+    """Look a metric up by its exported name; unknown names are a programming error."""
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not in the kvmetrics catalogue") from None

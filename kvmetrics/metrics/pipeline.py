@@ -1,0 +1,106 @@
+"""From step events to guarded totals and exporters.
+
+One pipeline per engine instance: it owns the guard, the invariant checker, the
+running totals and the list of sinks (Prometheus, OpenTelemetry, ...). Nothing
+here may raise into the engine loop except a :class:`CounterViolationError` in
+strict mode, which is what strict mode is for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvmetrics import __version__
+from kvmetrics.metrics import catalogue as cat
+from kvmetrics.metrics.events import StepEvents
+from kvmetrics.metrics.guard import Violation, check_increment, report
+from kvmetrics.metrics.invariants import InvariantChecker
+from kvmetrics.metrics.sink import MetricSink
+from kvmetrics.metrics.totals import Totals
+
+log = logging.getLogger("kvmetrics.pipeline")
+
+
+class MetricsPipeline:
+    def __init__(
+        self,
+        sinks: Sequence[MetricSink] = (),
+        *,
+        model_name: str = "default",
+        engine: str = "0",
+        engine_kind: str = "reference",
+        strict: bool = False,
+        check_invariants: bool = True,
+    ) -> None:
+        self.sinks = list(sinks)
+        self.common = (model_name, engine)
+        self.engine_kind = engine_kind
+        self.strict = strict
+        self.totals = Totals()
+        self.violations: list[Violation] = []
+        self._invariants = InvariantChecker() if check_invariants else None
+        self._failed_sinks: set[tuple[int, type]] = set()
+        self._announce()
+
+    def add_sink(self, sink: MetricSink) -> None:
+        """Attach an exporter late; it sees the build info and the totals so far."""
+        self.sinks.append(sink)
+        self._safely(sink, "info", cat.BUILD_INFO, self.common + (__version__, self.engine_kind))
+        for (name, values), amount in self.totals.series().items():
+            self._safely(sink, "inc", cat.spec(name), self.common + values, amount)
+
+    def record(self, events: StepEvents) -> None:
+        """Apply one step's events. Safe to call from inside an engine loop."""
+        step = events.step
+        for inc in events.increments:
+            violation = check_increment(inc, step)
+            if violation is not None:
+                self._violate(violation)
+                continue
+            self._apply(inc.spec, inc.label_values, inc.amount)
+        if events.gauges is not None:
+            g = events.gauges
+            self._set(cat.KV_CACHE_USAGE, (), g.kv_cache_usage)
+            self._set(cat.REQUESTS, ("running",), g.running)
+            self._set(cat.REQUESTS, ("waiting",), g.waiting)
+            self._set(cat.REQUESTS, ("waiting_for_remote_kv",), g.waiting_for_remote_kv)
+        if events.recovery_seconds is not None:
+            for sink in self.sinks:
+                self._safely(sink, "observe", cat.RECOVERY_DURATION, self.common,
+                             events.recovery_seconds)
+        if self._invariants is not None:
+            for violation in self._invariants.check(events, self.totals):
+                self._violate(violation)
+
+    # -- internals --------------------------------------------------------------
+
+    def _announce(self) -> None:
+        for sink in self.sinks:
+            self._safely(sink, "info", cat.BUILD_INFO,
+                         self.common + (__version__, self.engine_kind))
+
+    def _apply(self, spec: cat.MetricSpec, values: tuple[str, ...], amount: float) -> None:
+        self.totals.add(spec, values, amount)
+        full = self.common + values
+        for sink in self.sinks:
+            self._safely(sink, "inc", spec, full, amount)
+
+    def _set(self, spec: cat.MetricSpec, values: tuple[str, ...], value: float) -> None:
+        for sink in self.sinks:
+            self._safely(sink, "set", spec, self.common + values, value)
+
+    def _violate(self, violation: Violation) -> None:
+        self.violations.append(violation)
+        self._apply(cat.COUNTER_VIOLATIONS, (violation.kind, violation.metric), 1)
+        report(violation, self.strict)
+
+    def _safely(self, sink: MetricSink, method: str, *args: object) -> None:
+        try:
+            getattr(sink, method)(*args)
+        except Exception:  # an exporter bug must never stop the engine
+            key = (id(sink), type(sink))
+            if key not in self._failed_sinks:
+                self._failed_sinks.add(key)
+                log.exception("kvmetrics exporter %s failed in %s; continuing",
+                              type(sink).__name__, method)

@@ -1,0 +1,19 @@
+"""The interface exporters implement, so the pipeline need not know any of them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvmetrics.metrics.catalogue import MetricSpec
+
+
+class MetricSink(Protocol):
+    """Receives only guarded values; ``label_values`` include the common labels."""
+
+    def inc(self, spec: MetricSpec, label_values: tuple[str, ...], amount: float) -> None: ...
+
+    def set(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None: ...
+
+    def observe(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None: ...
+
+    def info(self, spec: MetricSpec, label_values: tuple[str, ...]) -> None: ...
