@@ -212,10 +212,7 @@ class Scheduler:
             else:
                 computed = request.num_computed_tokens
 
-            if is_async:
-                n = 0
-            else:
-                n = min(request.num_tokens - computed, budget)
+            n = 0 if is_async else min(request.num_tokens - computed, budget)
             if self.kv.allocate_slots(request, n, local_blocks, ext,
                                       delay_cache_blocks=is_async) is None:
                 break
