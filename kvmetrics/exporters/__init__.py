@@ -1,0 +1,1 @@
+"""Exporters: turn guarded metric updates into Prometheus pages and OTLP streams."""
