@@ -1,0 +1,5 @@
+import sys
+
+from kvmetrics.cli.main import main
+
+sys.exit(main())

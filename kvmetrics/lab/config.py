@@ -1,0 +1,109 @@
+"""Everything a lab run is configured by, validated up front with one-line errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvmetrics.engine.connector import LOAD_MODES
+from kvmetrics.engine.scheduler import ACCOUNTINGS, POLICIES
+from kvmetrics.lab.synthetic import DESCRIPTIONS
+from kvmetrics.lab.traces import FORMATS
+
+ENGINES = ("reference", "vllm")
+VERIFY_MODES = ("full", "sampled", "off")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class LabError(ValueError):
+    """Bad input to a lab run; the message is shown to the user as one line."""
+
+
+@dataclass
+class LabConfig:
+    engine: str = "reference"
+    workload: str = "mixed"
+    trace: str | None = None
+    trace_format: str = "kvmetrics"
+    #: Synthetic: how many requests to generate. Trace: replay at most this many.
+    max_requests: int | None = None
+    block_size: int = 16
+    num_gpu_blocks: int = 512
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    #: Overrides every request's output length.
+    max_tokens: int | None = None
+    fault_rate: float = 0.02
+    fault_mode: str = "mixed"
+    fault_plan: str | None = None
+    policy: str = "recompute"
+    accounting: str = "unified"
+    #: Capacity of the external (host) store in blocks; 0 runs without a connector.
+    store_blocks: int | None = None
+    kv_dim: int = 8
+    device: str = "auto"
+    verify: str = "full"
+    verify_fraction: float = 0.25
+    seed: int = 0
+    #: Workload seconds per engine step: a request arriving at t seconds joins the
+    #: scheduler before step floor(t / step_seconds) (idle stretches are skipped).
+    step_seconds: float = 0.02
+    #: Probability that a request is aborted some steps after it arrives.
+    abort_rate: float = 0.0
+    serve: str | None = None
+    linger: float = 0.0
+    otlp_endpoint: str | None = None
+    strict: bool = False
+    model_name: str = "kvmetrics-lab"
+    progress: bool = True
+
+    DEFAULT_SYNTHETIC_REQUESTS = 300
+
+    def validate(self) -> None:
+        _choice("engine", self.engine, ENGINES)
+        if self.trace is None:
+            _choice("workload", self.workload, tuple(DESCRIPTIONS))
+        _choice("trace format", self.trace_format, FORMATS)
+        _choice("fault mode", self.fault_mode, LOAD_MODES)
+        _choice("policy", self.policy, POLICIES)
+        _choice("accounting", self.accounting, ACCOUNTINGS)
+        _choice("verify mode", self.verify, VERIFY_MODES)
+        _choice("device", self.device, DEVICES)
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "kv_dim"):
+            _positive(name, getattr(self, name))
+        if self.num_gpu_blocks < 2:
+            raise LabError("--num-gpu-blocks must be at least 2 (block 0 is reserved)")
+        for name in ("max_requests", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive(name, value)
+        if self.store_blocks is not None and (isinstance(self.store_blocks, bool)
+                                              or self.store_blocks < 0):
+            raise LabError(f"--store-blocks must be >= 0, got {self.store_blocks}")
+        _fraction("fault rate", self.fault_rate)
+        _fraction("verify fraction", self.verify_fraction)
+        _fraction("abort rate", self.abort_rate)
+        if not (math.isfinite(self.step_seconds) and self.step_seconds > 0):
+            raise LabError(f"--step-seconds must be > 0, got {self.step_seconds}")
+        if not (math.isfinite(self.linger) and self.linger >= 0):
+            raise LabError(f"--linger must be >= 0 seconds, got {self.linger}")
+
+    @property
+    def store_capacity(self) -> int:
+        return 4 * self.num_gpu_blocks if self.store_blocks is None else self.store_blocks
+
+
+def _choice(what: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise LabError(f"unknown {what} {value!r} (choose from {', '.join(allowed)})")
+
+
+def _positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LabError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def _fraction(what: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise LabError(f"{what} must be within 0..1, got {value!r}")

@@ -1,0 +1,110 @@
+"""The engines a lab run can drive, behind one small surface.
+
+A lab engine takes :class:`WorkItem`s, steps, and hands out the step events of
+its scheduler; the data plane (or the tensor-less executor when verification is
+off) plays the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from kvmetrics.engine.connector import StoreConnector
+from kvmetrics.engine.executor import EOS_TOKEN_ID, SimulatedExecutor
+from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.engine.faults import FaultPlan
+from kvmetrics.engine.loop import EngineLoop
+from kvmetrics.engine.request import Request
+from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
+from kvmetrics.lab.config import LabConfig, LabError
+from kvmetrics.lab.workload import WorkItem
+from kvmetrics.metrics.events import StepEvents
+
+#: Chance per sampled token that a request which may stop early emits end-of-sequence.
+EOS_PROBABILITY = 0.02
+
+
+class LabEngine(Protocol):
+    kind: str
+
+    def add(self, item: WorkItem, max_tokens: int | None) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def step(self) -> None: ...
+
+    def busy(self) -> bool: ...
+
+    def drain_events(self) -> list[StepEvents]: ...
+
+    @property
+    def findings(self) -> list[Any]: ...
+
+
+def make_request(item: WorkItem, max_tokens: int | None) -> Request:
+    return Request(item.request_id, item.prompt,
+                   max_tokens=max_tokens if max_tokens is not None else item.max_tokens,
+                   eos_token_id=EOS_TOKEN_ID if item.stop_on_eos else None)
+
+
+def make_runner(cfg: LabConfig, faults: FaultPlan, store: ExternalStoreIndex | None,
+                tokens: Any) -> Any:
+    """The torch data plane with its verifier, or the tensor-less executor when off."""
+    if cfg.verify == "off":
+        return SimulatedExecutor(faults, store, eos_probability=EOS_PROBABILITY)
+    from kvmetrics.kv.runner import TorchModelRunner
+
+    return TorchModelRunner(
+        block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks, store=store,
+        faults=faults, tokens=tokens, device=cfg.device, kv_dim=cfg.kv_dim,
+        verify=cfg.verify, verify_fraction=cfg.verify_fraction, seed=cfg.seed,
+        strict=cfg.strict, eos_probability=EOS_PROBABILITY)
+
+
+class ReferenceEngine:
+    kind = "reference"
+
+    def __init__(self, cfg: LabConfig, sched_cfg: SchedulerConfig, faults: FaultPlan) -> None:
+        capacity = cfg.store_capacity
+        self.store = ExternalStoreIndex(capacity) if capacity else None
+        connector = (StoreConnector(self.store, cfg.block_size, cfg.fault_mode, cfg.seed)
+                     if self.store is not None else None)
+        self.scheduler = Scheduler(sched_cfg, connector)
+        requests = self.scheduler.requests
+        self.runner = make_runner(cfg, faults, self.store,
+                                  lambda rid, start, end: requests[rid].token_ids(start, end))
+        self.loop = EngineLoop(self.scheduler, self.runner)
+
+    def add(self, item: WorkItem, max_tokens: int | None) -> None:
+        self.scheduler.add_request(make_request(item, max_tokens))
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def step(self) -> None:
+        self.loop.step()
+
+    def busy(self) -> bool:
+        return self.loop.busy()
+
+    def drain_events(self) -> list[StepEvents]:
+        return self.scheduler.drain_events()
+
+    def num_unfinished(self) -> int:
+        s = self.scheduler
+        return len(s.running) + len(s.waiting) + len(s.kv_holding)
+
+    @property
+    def findings(self) -> list[Any]:
+        return list(getattr(self.runner, "findings", []))
+
+
+def build_engine(cfg: LabConfig, sched_cfg: SchedulerConfig, faults: FaultPlan) -> LabEngine:
+    if cfg.engine == "reference":
+        return ReferenceEngine(cfg, sched_cfg, faults)
+    try:
+        from kvmetrics.integrations.vllm.lab import VllmLabEngine
+    except ImportError as e:
+        raise LabError(f"--engine vllm needs vLLM installed ({e}); see README "
+                       "'vLLM integration' for the light install") from None
+    return VllmLabEngine(cfg, sched_cfg, faults)

@@ -1,0 +1,161 @@
+"""Run a workload through an engine with faults, metrics and progress: the lab's main loop."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmetrics.engine.faults import FaultPlan, FaultPlanError
+from kvmetrics.engine.scheduler import ConfigError, SchedulerConfig
+from kvmetrics.exporters.prometheus import MetricsServer, PrometheusSink, parse_host_port, serve
+from kvmetrics.instrument.wrapper import InstrumentedEngine
+from kvmetrics.lab import synthetic
+from kvmetrics.lab.config import LabConfig, LabError
+from kvmetrics.lab.engines import build_engine
+from kvmetrics.lab.progress import Progress
+from kvmetrics.lab.summary import build_summary
+from kvmetrics.lab.traces import load_trace
+from kvmetrics.lab.workload import WorkItem
+from kvmetrics.metrics.pipeline import MetricsPipeline
+
+log = logging.getLogger("kvmetrics.lab")
+
+
+@dataclass
+class LabResult:
+    summary: dict[str, Any]
+    pipeline: MetricsPipeline
+    prometheus: PrometheusSink
+    findings: list[Any] = field(default_factory=list)
+
+
+def load_items(cfg: LabConfig) -> list[WorkItem]:
+    if cfg.trace is not None:
+        return load_trace(cfg.trace, cfg.trace_format, cfg.max_requests)
+    n = cfg.max_requests or LabConfig.DEFAULT_SYNTHETIC_REQUESTS
+    return synthetic.generate(cfg.workload, n, seed=cfg.seed)
+
+
+def scheduler_config(cfg: LabConfig, items: list[WorkItem]) -> SchedulerConfig:
+    """Size max_model_len to the workload and refuse requests the cache can never hold."""
+    longest = 0
+    usable = cfg.num_gpu_blocks - 1
+    for item in items:
+        need = len(item.prompt) + (cfg.max_tokens or item.max_tokens)
+        blocks = -(-need // cfg.block_size)
+        if blocks > usable:
+            raise LabError(
+                f"request {item.request_id} needs {blocks} blocks of {cfg.block_size} tokens "
+                f"but the cache holds {usable}; raise --num-gpu-blocks or --block-size")
+        longest = max(longest, need)
+    try:
+        return SchedulerConfig(
+            block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks,
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=max(longest, cfg.block_size), kv_load_failure_policy=cfg.policy,
+            accounting=cfg.accounting)
+    except ConfigError as e:
+        raise LabError(str(e)) from None
+
+
+def fault_plan(cfg: LabConfig) -> FaultPlan:
+    try:
+        if cfg.fault_plan is not None:
+            return FaultPlan.load(cfg.fault_plan)
+        return FaultPlan(rate=cfg.fault_rate, seed=cfg.seed)
+    except FaultPlanError as e:
+        raise LabError(str(e)) from None
+
+
+def _abort_schedule(cfg: LabConfig, items: list[WorkItem]) -> dict[str, int]:
+    """Steps after arrival at which chosen requests are aborted (deterministic)."""
+    rng = random.Random(cfg.seed ^ 0xAB0)
+    return {item.request_id: rng.randint(1, 40) for item in items
+            if rng.random() < cfg.abort_rate}
+
+
+def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None) -> LabResult:
+    cfg.validate()
+    if items is None:
+        items = load_items(cfg)
+    sched_cfg = scheduler_config(cfg, items)
+    faults = fault_plan(cfg)
+    engine = build_engine(cfg, sched_cfg, faults)
+
+    prometheus = PrometheusSink()
+    sinks: list[Any] = [prometheus]
+    provider = None
+    if cfg.otlp_endpoint:
+        from kvmetrics.exporters.otel import make_provider, otlp_reader, sink_for
+
+        provider = make_provider([otlp_reader(cfg.otlp_endpoint)], model_name=cfg.model_name,
+                                 engine="0", engine_kind=engine.kind)
+        sinks.append(sink_for(provider))
+    pipeline = MetricsPipeline(sinks, model_name=cfg.model_name, engine="0",
+                               engine_kind=engine.kind, strict=cfg.strict)
+    instrumented = InstrumentedEngine(engine, pipeline)
+    server: MetricsServer | None = None
+    if cfg.serve:
+        try:
+            host, port = parse_host_port(cfg.serve)
+            server = serve(prometheus.serving_registry(), host, port)
+        except (ValueError, OSError) as e:
+            raise LabError(f"cannot serve metrics on {cfg.serve}: {e}") from None
+        log.info("serving metrics on http://%s:%d/metrics", server.host, server.port)
+
+    try:
+        return _drive(cfg, items, instrumented, engine, pipeline, prometheus, server)
+    finally:
+        if provider is not None:
+            provider.shutdown()
+        if server is not None:
+            server.stop()
+
+
+def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngine,
+           engine: Any, pipeline: MetricsPipeline, prometheus: PrometheusSink,
+           server: MetricsServer | None) -> LabResult:
+    pending = deque(sorted(items, key=lambda it: it.arrival_s))
+    aborts_after = _abort_schedule(cfg, items)
+    abort_at: dict[int, list[str]] = {}
+    progress = Progress(len(items), enabled=cfg.progress)
+    start = time.monotonic()
+    clock = 0  # virtual step, advanced by executed and skipped steps
+    executed = 0
+    arrived = 0
+    while pending or engine.busy():
+        if pending and not engine.busy():
+            clock = max(clock, int(pending[0].arrival_s / cfg.step_seconds))
+        while pending and int(pending[0].arrival_s / cfg.step_seconds) <= clock:
+            item = pending.popleft()
+            engine.add(item, cfg.max_tokens)
+            arrived += 1
+            delay = aborts_after.get(item.request_id)
+            if delay is not None:
+                abort_at.setdefault(clock + delay, []).append(item.request_id)
+        for rid in abort_at.pop(clock, ()):
+            engine.abort(rid)
+        engine.step()
+        instrumented.flush()
+        clock += 1
+        executed += 1
+        done = arrived - _unfinished(engine)
+        progress.update(done, executed)
+    progress.update(len(items), executed, force=True)
+    progress.close()
+    wall = time.monotonic() - start
+    summary = build_summary(pipeline.totals, engine=engine.kind, submitted=len(items),
+                            wall_seconds=wall, steps=executed)
+    if server is not None and cfg.linger > 0:
+        log.info("run finished; serving metrics for %.1f more seconds", cfg.linger)
+        time.sleep(cfg.linger)
+    return LabResult(summary, pipeline, prometheus, engine.findings)
+
+
+def _unfinished(engine: Any) -> int:
+    counter = getattr(engine, "num_unfinished", None)
+    return counter() if callable(counter) else 0

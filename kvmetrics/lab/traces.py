@@ -1,0 +1,142 @@
+"""Trace files: kvmetrics' own JSONL format and the Mooncake FAST'25 format.
+
+kvmetrics JSONL, one request per line::
+
+    {"id": "r1", "arrival_s": 0.5, "prompt_token_ids": [1, 2, 3], "output_length": 16}
+    {"arrival_s": 0.7, "prefix_block_ids": [7, 8], "prompt_length": 700,
+     "block_tokens": 512, "output_length": 16}
+
+A prompt is either explicit token ids, or prefix block ids plus a length: block
+``b`` stands for ``block_tokens`` tokens that are a pure function of ``b``, so
+equal leading ids mean a shared prefix (``id`` is optional; ``block_tokens``
+defaults to 512).
+
+Mooncake (``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``
+of 512-token blocks) maps onto the second form. Because tokens derive from
+(block id, offset), the sharing structure survives any engine block size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvmetrics.engine.tokens import VOCAB_SIZE, BlockSeededTokens, ExplicitTokens, PromptTokens
+from kvmetrics.lab.workload import WorkItem
+
+FORMATS = ("kvmetrics", "mooncake")
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed; the message names the file, line and problem."""
+
+
+def load_trace(path: str | Path, fmt: str = "kvmetrics",
+               max_requests: int | None = None) -> list[WorkItem]:
+    if fmt not in FORMATS:
+        raise TraceError(f"unknown trace format {fmt!r} (choose from {', '.join(FORMATS)})")
+    parse = _parse_kvmetrics if fmt == "kvmetrics" else _parse_mooncake
+    items = []
+    for lineno, record in _records(Path(path)):
+        if max_requests is not None and len(items) >= max_requests:
+            break
+        items.append(parse(record, len(items), f"{path}:{lineno}"))
+    if not items:
+        raise TraceError(f"{path}: the trace holds no requests")
+    return items
+
+
+def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        handle = path.open("r", encoding="utf-8")
+    except OSError as e:
+        raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+    with handle:
+        for lineno, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path}:{lineno}: bad JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise TraceError(f"{path}:{lineno}: each line must be a JSON object")
+            yield lineno, record
+
+
+def _int(record: dict[str, Any], key: str, where: str, minimum: int = 0) -> int:
+    if key not in record:
+        raise TraceError(f"{where}: missing field {key!r}")
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceError(f"{where}: {key!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise TraceError(f"{where}: {key!r} must be >= {minimum}, got {value}")
+    return value
+
+
+def _number(record: dict[str, Any], key: str, where: str) -> float:
+    if key not in record:
+        raise TraceError(f"{where}: missing field {key!r}")
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value < 0:
+        raise TraceError(f"{where}: {key!r} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _block_prompt(block_ids: Any, length: int, unit: int, where: str,
+                  field: str) -> PromptTokens:
+    if not isinstance(block_ids, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block_ids):
+        raise TraceError(f"{where}: {field!r} must be a list of integers >= 0")
+    if len(block_ids) != math.ceil(length / unit):
+        raise TraceError(
+            f"{where}: {len(block_ids)} {field} do not match a length of {length} tokens "
+            f"at {unit} tokens a block (expected {math.ceil(length / unit)})")
+    return BlockSeededTokens(block_ids, length, unit)
+
+
+def _parse_kvmetrics(record: dict[str, Any], index: int, where: str) -> WorkItem:
+    known = {"id", "arrival_s", "prompt_token_ids", "prefix_block_ids", "prompt_length",
+             "block_tokens", "output_length"}
+    unknown = set(record) - known
+    if unknown:
+        raise TraceError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+    rid = record.get("id", f"req-{index:06d}")
+    if not isinstance(rid, str) or not rid:
+        raise TraceError(f"{where}: 'id' must be a non-empty string")
+    arrival = _number(record, "arrival_s", where)
+    output = _int(record, "output_length", where, minimum=1)
+    prompt: PromptTokens
+    if "prompt_token_ids" in record:
+        ids = record["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < VOCAB_SIZE
+                for t in ids):
+            raise TraceError(f"{where}: 'prompt_token_ids' must be a non-empty list of "
+                             f"integers in 0..{VOCAB_SIZE - 1}")
+        prompt = ExplicitTokens(ids)
+    elif "prefix_block_ids" in record:
+        length = _int(record, "prompt_length", where, minimum=1)
+        unit = _int(record, "block_tokens", where, minimum=1) if "block_tokens" in record \
+            else MOONCAKE_BLOCK_TOKENS
+        prompt = _block_prompt(record["prefix_block_ids"], length, unit, where,
+                               "prefix_block_ids")
+    else:
+        raise TraceError(f"{where}: missing field 'prompt_token_ids' or 'prefix_block_ids'")
+    return WorkItem(rid, arrival, prompt, output, stop_on_eos=False)
+
+
+def _parse_mooncake(record: dict[str, Any], index: int, where: str) -> WorkItem:
+    timestamp_ms = _number(record, "timestamp", where)
+    length = _int(record, "input_length", where, minimum=1)
+    output = _int(record, "output_length", where, minimum=1)
+    if "hash_ids" not in record:
+        raise TraceError(f"{where}: missing field 'hash_ids'")
+    prompt = _block_prompt(record["hash_ids"], length, MOONCAKE_BLOCK_TOKENS, where, "hash_ids")
+    return WorkItem(f"mc-{index:06d}", timestamp_ms / 1000.0, prompt, output, stop_on_eos=False)
