@@ -80,7 +80,7 @@ def _random(b: _Builder, n: int) -> None:
         b.emit("random", _tokens(b.rng, b.rng.randint(50, 600)))
 
 
-def generate(name: str, num_requests: int, seed: int = 0, rate: float = 40.0,
+def generate(name: str, num_requests: int, seed: int = 0, rate: float = 100.0,
              max_tokens: tuple[int, int] = (8, 48)) -> list[WorkItem]:
     """``rate`` is the mean arrival rate in requests per second of workload time."""
     if name not in DESCRIPTIONS:
