@@ -80,10 +80,10 @@ def _truncate(
                 to_evict.update(block_ids[idx:])
         if not is_affected:
             continue
+        request.kv_failure_until = before + num_scheduled.get(rid, 0)
         if not truncated:
             request.num_computed_tokens = before
         affected.add(rid)
-        request.recompute_cause = "kv_load_failure"
         after = request.num_computed_tokens
         events.rolled_back(mode, sched.policy, rid, _historical_before(sched, request, mode,
                                                                        before), after)

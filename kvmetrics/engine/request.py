@@ -47,8 +47,10 @@ class Request:
     #: Highest ``num_computed_tokens`` ever reached: tokens below it that are
     #: scheduled again are *recomputed*, and counted as such.
     computed_high_water: int = 0
-    #: Why tokens below the high-water mark were last thrown away.
-    recompute_cause: str = "preemption"
+    #: Tokens below this mark that are scheduled again are recomputed because a
+    #: KV load failed (the computed count just before the last rollback); those
+    #: above it, up to the high-water mark, were lost to preemption.
+    kv_failure_until: int = 0
     #: Mode of the connector load this request is waiting for or ran last step.
     load_mode: str | None = None
     #: Prefix lookups done so far (the first is admission "first").

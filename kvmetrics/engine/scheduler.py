@@ -276,9 +276,11 @@ class Scheduler:
     def _schedule_tokens(self, out: SchedulerOutput, request: Request, n: int,
                          events: StepEvents) -> None:
         c = request.num_computed_tokens
-        redo = min(c + n, request.computed_high_water) - c
-        if redo > 0:
-            events.recomputed(request.recompute_cause, redo, request.request_id)
+        redo_end = min(c + n, request.computed_high_water)
+        if redo_end > c:
+            split = min(max(request.kv_failure_until, c), redo_end)
+            events.recomputed("kv_load_failure", split - c, request.request_id)
+            events.recomputed("preemption", redo_end - split, request.request_id)
         blocks = self.kv.req_blocks[request.request_id]
         out.scheduled.append(ScheduledRequest(
             request.request_id, c, n, [b.block_id for b in blocks], request.num_tokens,
@@ -297,7 +299,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        request.recompute_cause = "preemption"
+        request.kv_failure_until = 0
         events.preempted(request.request_id)
         self.waiting.appendleft(request)
 

@@ -18,6 +18,7 @@ class InvariantChecker:
 
     def __init__(self) -> None:
         self._discarded_tokens = 0
+        self._recompute_excess = 0.0
         self._previous: dict[tuple[str, tuple[str, ...]], float] = {}
 
     def check(self, events: StepEvents, totals: Totals) -> list[Violation]:
@@ -53,10 +54,13 @@ class InvariantChecker:
         self._discarded_tokens += events.discarded_tokens
         recomputed = totals.get(cat.RECOMPUTED_TOKENS, cause="kv_load_failure")
         rolled_back = totals.get(cat.ROLLED_BACK_TOKENS)
-        if recomputed > rolled_back + self._discarded_tokens:
+        excess = recomputed - rolled_back - self._discarded_tokens
+        if excess > self._recompute_excess:
+            # Cumulative: report a breach when it appears or grows, not every step after.
             broken(cat.RECOMPUTED_TOKENS,
                    f"recomputed after load failures {recomputed:g} > rolled back "
                    f"{rolled_back:g} + discarded {self._discarded_tokens}")
+        self._recompute_excess = max(self._recompute_excess, excess)
 
         current = totals.series()
         for key, before in self._previous.items():
