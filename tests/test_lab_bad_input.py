@@ -1,0 +1,89 @@
+"""Bad input through the real console script: one line naming the problem, exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.lab_support import run_cli
+
+GOOD_LINE = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}
+
+
+def _trace(tmp_path: Path, lines: list[str]) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def _assert_clean_error(result, *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_trace(tmp_path: Path) -> None:
+    _assert_clean_error(run_cli("run", "--trace", str(tmp_path / "nope.jsonl")),
+                        "cannot read trace", "nope.jsonl")
+
+
+def test_bad_json_names_the_line(tmp_path: Path) -> None:
+    path = _trace(tmp_path, [json.dumps(GOOD_LINE), "{not json"])
+    _assert_clean_error(run_cli("run", "--trace", path, "--trace-format", "mooncake"),
+                        "trace.jsonl:2", "bad JSON")
+
+
+@pytest.mark.parametrize(("record", "needle"), [
+    ({"timestamp": 0, "output_length": 4, "hash_ids": [1]}, "missing field 'input_length'"),
+    ({**GOOD_LINE, "input_length": -5}, "'input_length' must be >= 1"),
+    ({**GOOD_LINE, "output_length": -1}, "'output_length' must be >= 1"),
+    ({**GOOD_LINE, "hash_ids": [1, 2, 3]}, "3 hash_ids do not match a length of 600"),
+    ({**GOOD_LINE, "hash_ids": "abc"}, "'hash_ids' must be a list"),
+])
+def test_malformed_mooncake_records(tmp_path: Path, record: dict, needle: str) -> None:
+    path = _trace(tmp_path, [json.dumps(GOOD_LINE), json.dumps(record)])
+    _assert_clean_error(run_cli("run", "--trace", path, "--trace-format", "mooncake"),
+                        "trace.jsonl:2", needle)
+
+
+def test_malformed_kvmetrics_record(tmp_path: Path) -> None:
+    path = _trace(tmp_path, [json.dumps({"arrival_s": 0, "output_length": 3})])
+    _assert_clean_error(run_cli("run", "--trace", path), "trace.jsonl:1",
+                        "prompt_token_ids")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--block-size", "0"], "--block-size must be a positive integer"),
+    (["--fault-rate", "1.5"], "fault rate must be within 0..1"),
+    (["--fault-rate", "-0.1"], "fault rate must be within 0..1"),
+    (["--num-gpu-blocks", "4"], "blocks of 16 tokens but the cache holds 3"),
+    (["--engine", "tpu"], "unknown engine 'tpu'"),
+    (["--policy", "retry"], "unknown policy 'retry'"),
+    (["--workload", "poetry"], "unknown workload 'poetry'"),
+    (["--serve", "localhost"], "expected HOST:PORT"),
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--max-requests", "many"], "invalid int value"),
+])
+def test_bad_configuration(args: list[str], needle: str) -> None:
+    _assert_clean_error(run_cli("run", "--verify", "off", "--max-requests", "5", *args), needle)
+
+
+def test_bad_fault_plan(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"rate": 0.1, "failures": [{"request": "x"}]}))
+    _assert_clean_error(run_cli("run", "--verify", "off", "--fault-plan", str(plan)),
+                        "failure #0 needs a 'block' index")
+
+
+def test_failed_run_keeps_earlier_output(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    out.write_text('{"earlier": true}\n')
+    result = run_cli("run", "--verify", "off", "--block-size", "0", "--output", str(out))
+    assert result.returncode == 2
+    assert out.read_text() == '{"earlier": true}\n'
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".summary")]

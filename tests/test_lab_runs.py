@@ -1,0 +1,95 @@
+"""Whole lab runs: the default job, historical accounting, summary == exported counters."""
+
+from __future__ import annotations
+
+import json
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvmetrics.lab.config import LabConfig
+from kvmetrics.lab.runner import run_lab
+from kvmetrics.metrics import catalogue as cat
+from tests.lab_support import run_cli
+
+#: Preemption pressure plus frequent sync load failures: the old accounting breaks.
+HISTORICAL = ("--accounting", "historical", "--num-gpu-blocks", "150", "--fault-rate", "0.2",
+              "--fault-mode", "sync")
+
+
+def test_default_run_is_clean() -> None:
+    result = run_cli("run", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["counter_violations"] == 0
+    assert summary["verification"]["failures"] == 0
+    assert summary["verification"]["verified_tokens"] > 0
+    assert summary["kv_load"]["blocks_failed"] > 0
+    assert summary["recomputed_tokens"]["kv_load_failure"] > 0
+    assert summary["preemptions"] > 0
+    assert summary["requests"]["submitted"] == 300
+    assert summary["requests"]["finished"] == 300
+
+
+def test_default_run_prints_a_table() -> None:
+    result = run_cli("run", "--verify", "off", "--max-requests", "20")
+    assert result.returncode == 0, result.stderr
+    assert "local prefix hits" in result.stdout
+    assert "counter violations" in result.stdout
+
+
+def test_historical_accounting_counts_violations_but_completes() -> None:
+    result = run_cli("run", "--verify", "off", "--json", *HISTORICAL)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["counter_violations"] > 0
+    assert summary["requests"]["finished"] == summary["requests"]["submitted"]
+    assert "negative violation on kvmetrics_" in result.stderr
+
+
+def test_strict_makes_historical_accounting_fail() -> None:
+    result = run_cli("run", "--verify", "off", "--strict", *HISTORICAL)
+    assert result.returncode == 1
+    assert "strict mode" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def _scraped_counters(page: str) -> dict[tuple[str, tuple[str, ...]], float]:
+    values: dict[tuple[str, tuple[str, ...]], float] = {}
+    for family in text_string_to_metric_families(page):
+        spec = cat.BY_NAME.get(family.name + "_total")
+        if spec is None or spec.kind != "counter":
+            continue
+        own = (*spec.labels, *spec.open_labels)
+        for sample in family.samples:
+            if sample.name == spec.name:
+                values[(spec.name, tuple(sample.labels[k] for k in own))] = sample.value
+    return values
+
+
+def test_summary_equals_exported_counters() -> None:
+    result = run_lab(LabConfig(verify="off", fault_rate=0.1, progress=False, max_requests=120))
+    scraped = _scraped_counters(result.prometheus.render().decode())
+    assert scraped == {k: v for k, v in result.pipeline.totals.series().items()}
+    s = result.summary
+    total = result.pipeline.totals.get
+    assert s["rolled_back_tokens"] == total(cat.ROLLED_BACK_TOKENS)
+    assert s["kv_load"]["blocks_failed"] == total(cat.KV_LOAD_BLOCKS, outcome="failed")
+    assert s["preemptions"] == total(cat.PREEMPTIONS)
+    assert s["prefix_cache"]["local"]["hit_tokens"] == total(
+        cat.PREFIX_CACHE_HIT_TOKENS, source="local", admission="first")
+
+
+def test_same_seed_same_summary() -> None:
+    a = run_lab(LabConfig(verify="off", progress=False, max_requests=80, seed=7)).summary
+    b = run_lab(LabConfig(verify="off", progress=False, max_requests=80, seed=7)).summary
+    a.pop("wall_seconds")
+    b.pop("wall_seconds")
+    assert a == b
+
+
+def test_aborts_are_counted() -> None:
+    s = run_lab(LabConfig(verify="off", progress=False, max_requests=100,
+                          abort_rate=0.3)).summary
+    r = s["requests"]
+    assert r["aborted"] > 0
+    assert r["finished"] + r["failed"] + r["aborted"] == r["submitted"]
