@@ -89,6 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvmetrics {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_run(sub)
+    p = sub.add_parser("soak", help="run many seeded random scenarios and count violations")
+    p.add_argument("--scenarios", type=int, default=100, metavar="N")
+    p.add_argument("--engines", default="reference",
+                   help="comma-separated engines to run each scenario on (reference,vllm)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first scenario")
+    p.add_argument("--accounting", default="unified", help="unified (default) or historical")
+    p.add_argument("--verify", default="full", help="full (default), sampled or off")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.add_parser("workloads", help="list the synthetic workloads")
     sub.add_parser("catalogue", help="list every exported metric")
     return parser
@@ -154,6 +162,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_soak(args: argparse.Namespace) -> int:
+    from kvmetrics.lab.config import ENGINES, VERIFY_MODES
+    from kvmetrics.lab.progress import Progress
+    from kvmetrics.lab.soak import soak
+
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    for engine in engines:
+        if engine not in ENGINES:
+            return _fail(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    if args.verify not in VERIFY_MODES:
+        return _fail(f"unknown verify mode {args.verify!r}")
+    if args.accounting not in ("unified", "historical"):
+        return _fail(f"unknown accounting {args.accounting!r}")
+    if args.scenarios < 1:
+        return _fail(f"--scenarios must be a positive integer, got {args.scenarios}")
+    logging.getLogger("kvmetrics").setLevel(logging.CRITICAL)  # tallied, not logged
+    bar = Progress(args.scenarios, enabled=sys.stderr.isatty())
+    report = soak(args.scenarios, engines, args.seed, args.accounting, args.verify,
+                  on_progress=lambda r: bar.update(r.scenarios // len(engines), r.scenarios))
+    bar.close()
+    data = report.as_dict()
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        for key, value in data.items():
+            print(f"{key:<22} {value}")
+    clean = not (report.invariant_violations or report.counter_violations
+                 or report.verification_failures or report.errors)
+    return 0 if clean or args.accounting == "historical" else 1
+
+
 def _cmd_workloads() -> int:
     from kvmetrics.lab.synthetic import DESCRIPTIONS
 
@@ -183,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "run":
         return _cmd_run(args)
+    if args.command == "soak":
+        return _cmd_soak(args)
     if args.command == "workloads":
         return _cmd_workloads()
     if args.command == "catalogue":

@@ -1,0 +1,178 @@
+"""Build vLLM's real v1 scheduler on a CPU-only machine, without a model or weights.
+
+vLLM's scheduler only needs a :class:`VllmConfig` and a :class:`KVCacheConfig`;
+the model config only has to parse, so a temporary folder holding an OPT-style
+``config.json`` and ``skip_tokenizer_init`` are enough. The parameters mirror
+:class:`kvmetrics.engine.scheduler.SchedulerConfig` so that one configuration can
+drive both the reference engine and vLLM in a differential run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmetrics.engine.scheduler import SchedulerConfig
+
+#: Import path of the built-in connector (vLLM imports it again by this name).
+CONNECTOR_MODULE = "kvmetrics.integrations.vllm.connector"
+CONNECTOR_NAME = "KvmetricsStoreConnector"
+INSTRUMENTED = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"
+INSTRUMENTED_ASYNC = "kvmetrics.integrations.vllm.scheduler.InstrumentedAsyncScheduler"
+
+# A tiny OPT config: only parsed, never instantiated, so the sizes are irrelevant
+# except that they must be self-consistent.
+_MODEL_CONFIG = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 64,
+    "word_embed_proj_dim": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 1,
+    "ffn_dim": 128,
+    "vocab_size": 50272,
+    "torch_dtype": "float32",
+}
+
+_model_dirs: dict[int, str] = {}
+
+
+def model_dir(max_position_embeddings: int) -> str:
+    """A folder holding only a config.json, made once per process and length."""
+    path = _model_dirs.get(max_position_embeddings)
+    if path is None or not os.path.isdir(path):
+        path = tempfile.mkdtemp(prefix="kvmetrics-vllm-model-")
+        cfg = dict(_MODEL_CONFIG, max_position_embeddings=max_position_embeddings)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        _model_dirs[max_position_embeddings] = path
+    return path
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """The KV connector vLLM should instantiate (by module path and class name).
+
+    ``extra`` becomes ``kv_connector_extra_config``; the built-in connector finds
+    its shared store through ``extra["store_key"]``.
+    """
+
+    name: str = CONNECTOR_NAME
+    module_path: str = CONNECTOR_MODULE
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def build_vllm_config(
+    config: SchedulerConfig,
+    *,
+    scheduler_cls: str | type | None = None,
+    connector: ConnectorSpec | None = None,
+    reserve_full_prompt: bool | None = None,
+    async_scheduling: bool = False,
+    kvmetrics_settings: dict[str, Any] | None = None,
+) -> Any:
+    """A :class:`vllm.config.VllmConfig` equivalent to the reference ``config``.
+
+    ``reserve_full_prompt`` sets vLLM's ``scheduler_reserve_full_isl`` (admit a
+    request only if its whole prompt fits; vLLM's default is on, the reference
+    engine does not model it); None keeps vLLM's default. ``kvmetrics_settings``
+    lands in ``additional_config["kvmetrics"]``, where the instrumented scheduler
+    reads its export settings (see :mod:`kvmetrics.integrations.vllm.exporting`).
+    """
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        VllmConfig,
+    )
+    from vllm.config import SchedulerConfig as VllmSchedulerConfig
+
+    model_config = ModelConfig(
+        model=model_dir(max(config.max_model_len, 2048)),
+        skip_tokenizer_init=True,
+        max_model_len=config.max_model_len,
+        dtype="float32",
+        seed=0,
+    )
+    sched_kwargs: dict[str, Any] = dict(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=config.max_model_len,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
+    )
+    if scheduler_cls is not None:
+        sched_kwargs["scheduler_cls"] = scheduler_cls
+    if reserve_full_prompt is not None:
+        sched_kwargs["scheduler_reserve_full_isl"] = reserve_full_prompt
+    cache_config = CacheConfig(block_size=config.block_size,
+                               enable_prefix_caching=config.enable_prefix_caching)
+    kv_transfer = None
+    if connector is not None:
+        kv_transfer = KVTransferConfig(
+            kv_connector=connector.name,
+            kv_connector_module_path=connector.module_path,
+            kv_role="kv_both",
+            kv_load_failure_policy=config.kv_load_failure_policy,
+            kv_connector_extra_config=dict(connector.extra),
+        )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=VllmSchedulerConfig(**sched_kwargs),
+        cache_config=cache_config,
+        kv_transfer_config=kv_transfer,
+        device_config=DeviceConfig("cpu"),
+        additional_config={"kvmetrics": dict(kvmetrics_settings)} if kvmetrics_settings else {},
+    )
+    vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks
+    return vllm_config
+
+
+def build_kv_cache_config(config: SchedulerConfig) -> Any:
+    """One full-attention group of ``num_gpu_blocks`` blocks (no tensors: no worker)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=config.block_size, num_kv_heads=1, head_size=16,
+                             dtype=torch.float32)
+    return KVCacheConfig(num_blocks=config.num_gpu_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(["layers.0.attn"], spec)])
+
+
+def build_scheduler(
+    config: SchedulerConfig,
+    *,
+    scheduler_cls: str | type | None = None,
+    connector: ConnectorSpec | None = None,
+    reserve_full_prompt: bool | None = None,
+    log_stats: bool = True,
+    kvmetrics_settings: dict[str, Any] | None = None,
+) -> Any:
+    """vLLM's scheduler (or ``scheduler_cls``) built the way EngineCore builds it."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = build_vllm_config(config, scheduler_cls=scheduler_cls, connector=connector,
+                                    reserve_full_prompt=reserve_full_prompt,
+                                    kvmetrics_settings=kvmetrics_settings)
+    cls = vllm_config.scheduler_config.get_scheduler_cls()
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=build_kv_cache_config(config),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=config.block_size,
+        log_stats=log_stats,
+    )
+
+
+def block_hasher_for(vllm_config: Any) -> Any:
+    """vLLM's request block hasher for this config (after seeding the root hash)."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(vllm_config.cache_config.block_size, hash_fn)

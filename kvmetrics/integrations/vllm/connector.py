@@ -1,0 +1,144 @@
+"""A vLLM KV connector backed by kvmetrics' external store index.
+
+vLLM instantiates connectors itself (from ``kv_connector_module_path`` and the
+class name), so the store cannot be passed in: the test or lab registers it
+under a key with :func:`register_store` and names the key in
+``kv_connector_extra_config["store_key"]``. vLLM imports the module again by
+name, which yields the same module object and therefore the same registry.
+
+Only the scheduler side is real. It mirrors
+:class:`kvmetrics.engine.connector.StoreConnector` exactly (the longest run of
+the request's next full blocks present in the store, never the last token, load
+mode from :func:`choose_load_mode`) and hands the loads to do to the model
+runner in its metadata. The worker side is played by kvmetrics' model runners
+(:mod:`kvmetrics.integrations.vllm.runner`), so the worker hooks do nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvmetrics.engine.connector import LOAD_MODES, choose_load_mode
+from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.engine.outputs import LoadSpec
+
+_lock = threading.Lock()
+_stores: dict[str, ExternalStoreIndex] = {}
+
+#: Capacity of a store the connector creates itself when its key is unknown.
+DEFAULT_CAPACITY_BLOCKS = 4096
+
+
+def register_store(key: str, store: ExternalStoreIndex) -> None:
+    """Make ``store`` the external tier of every connector configured with ``key``."""
+    with _lock:
+        _stores[key] = store
+
+
+def unregister_store(key: str) -> None:
+    with _lock:
+        _stores.pop(key, None)
+
+
+def get_store(key: str, capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS) -> ExternalStoreIndex:
+    """The store registered under ``key``, created empty if nobody registered one."""
+    with _lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = ExternalStoreIndex(capacity_blocks)
+        return store
+
+
+@dataclass
+class KvmetricsConnectorMetadata(KVConnectorMetadata):
+    """What the runner must do for the connector in one step: the loads to start."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+class KvmetricsStoreConnector(KVConnectorBase_V1):
+    """Scheduler side of the built-in store connector, as a vLLM connector."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.mode = str(extra.get("load_mode", "sync"))
+        if self.mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.mode!r}")
+        self.seed = int(extra.get("seed", 0))
+        self.store_key = str(extra.get("store_key", "default"))
+        self.store = get_store(self.store_key,
+                               int(extra.get("capacity_blocks", DEFAULT_CAPACITY_BLOCKS)))
+        self.block_size = vllm_config.cache_config.block_size
+        self._pending: dict[str, tuple[int, bool]] = {}
+        self._loads: list[LoadSpec] = []
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a save lost to a preemption is only a future miss.
+        return False
+
+    # -- scheduler side ------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        bs = self.block_size
+        start = num_computed_tokens // bs
+        limit = (request.num_tokens - 1) // bs
+        hashes = request.block_hashes
+        n = 0
+        while start + n < limit and hashes[start + n] in self.store:
+            n += 1
+        if n == 0:
+            return 0, False
+        is_async = choose_load_mode(self.mode, request.request_id, self.seed) == "async"
+        self._pending[request.request_id] = (start, is_async)
+        return n * bs, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        pending = self._pending.pop(request.request_id, None)
+        if num_external_tokens <= 0 or pending is None:
+            return
+        first, is_async = pending
+        n = num_external_tokens // self.block_size
+        (block_ids,) = blocks.get_block_ids()
+        hashes = request.block_hashes[first:first + n]
+        for h in hashes:
+            self.store.lookup(h)  # a hit refreshes its recency in the store
+        self._loads.append(LoadSpec(
+            request.request_id, "async" if is_async else "sync", first,
+            tuple(block_ids[first:first + n]), tuple(hashes)))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvmetricsConnectorMetadata:
+        loads, self._loads = self._loads, []
+        return KvmetricsConnectorMetadata(loads=loads)
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side: played by kvmetrics' model runners ------------------------------
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

@@ -1,0 +1,50 @@
+"""The external KV tier's data: one host tensor indexed by the store index's slots.
+
+:class:`~kvmetrics.engine.external_store.ExternalStoreIndex` decides which block
+hash lives in which slot and what LRU evicts; it is shared with the tensor-less
+executor so both runners make the same store decisions. This module only holds
+the bytes. With CUDA the tensor is pinned so host->device copies can run as DMA
+(and asynchronously); gathers land in pinned staging memory for the same reason.
+Slots never written are NaN, like the device cache, so a bug that loads one is
+caught by the verifier rather than served as plausible KV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.kv.cache import tensor_digest
+
+
+class HostKVStore:
+    def __init__(self, index: ExternalStoreIndex, block_size: int, kv_dim: int,
+                 dtype: torch.dtype = torch.float32, pin_memory: bool = False) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.kv_dim = kv_dim
+        self.pin_memory = pin_memory
+        self.data = torch.full((index.capacity, block_size, kv_dim), float("nan"), dtype=dtype,
+                               pin_memory=pin_memory)
+
+    @property
+    def capacity(self) -> int:
+        return self.index.capacity
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """The blocks in ``slots`` as one host tensor (pinned when the store is)."""
+        slots = slots.to("cpu")
+        if not self.pin_memory:
+            return self.data.index_select(0, slots)
+        out = torch.empty((slots.numel(), self.block_size, self.kv_dim), dtype=self.data.dtype,
+                          pin_memory=True)
+        torch.index_select(self.data, 0, slots, out=out)
+        return out
+
+    def scatter(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Write blocks into ``slots`` (device->host when the cache is on a GPU)."""
+        if slots.numel():
+            self.data.index_copy_(0, slots.to("cpu"), blocks.to("cpu"))
+
+    def checksum(self) -> str:
+        return tensor_digest(self.data)

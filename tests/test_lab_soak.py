@@ -1,0 +1,29 @@
+"""A short soak in CI: random scenarios stay clean in the unified accounting."""
+
+from __future__ import annotations
+
+import json
+
+from kvmetrics.lab.soak import soak
+from tests.lab_support import run_cli
+
+
+def test_short_soak_is_clean() -> None:
+    report = soak(60, verify="off", seed=1000)
+    assert report.scenarios == 60
+    assert report.as_dict()["failing_seeds"] == []
+    assert report.errors == report.invariant_violations == report.counter_violations == 0
+
+
+def test_historical_soak_finds_violations() -> None:
+    report = soak(60, verify="off", accounting="historical", seed=1000)
+    assert report.counter_violations > 0
+    assert report.errors == 0
+
+
+def test_soak_command() -> None:
+    result = run_cli("soak", "--scenarios", "5", "--verify", "off", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["scenarios"] == 5
+    bad = run_cli("soak", "--engines", "reference,tpu")
+    assert bad.returncode == 2 and "unknown engine 'tpu'" in bad.stderr
