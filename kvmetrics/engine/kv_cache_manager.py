@@ -16,6 +16,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        #: The same tables as block ids, kept in step so that a step's output can
+        #: hand them out without copying (they grow by appends only).
+        self.req_block_ids: dict[str, list[int]] = {}
         #: How many leading blocks of each request have been offered to the cache.
         self.num_cached_blocks: dict[str, int] = {}
 
@@ -54,6 +57,7 @@ class KVCacheManager:
         bs = self.block_size
         hits = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
+        ids = self.req_block_ids.setdefault(request.request_id, [])
         computed = (request.num_computed_tokens + len(hits) * bs + num_external_computed_tokens)
         need = cdiv(computed + num_new_tokens, bs) - len(blocks) - len(hits)
         need = max(need, 0)
@@ -62,14 +66,17 @@ class KVCacheManager:
         if need + evictable_hits > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]
+                del self.req_block_ids[request.request_id]
             return None
         if hits:
             self.pool.touch(hits)
             blocks.extend(hits)
+            ids.extend(b.block_id for b in hits)
             self.num_cached_blocks[request.request_id] = (
                 self.num_cached_blocks.get(request.request_id, 0) + len(hits))
         new = self.pool.get_new_blocks(need)
         blocks.extend(new)
+        ids.extend(b.block_id for b in new)
         if not delay_cache_blocks:
             self.cache_blocks(request, min(computed + num_new_tokens, request.num_tokens))
         return new
@@ -91,9 +98,11 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its tail is evicted first."""
         blocks = self.req_blocks.pop(request.request_id, None)
+        self.req_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table as ids (a live list: copy it to keep it)."""
+        return self.req_block_ids.get(request_id, [])

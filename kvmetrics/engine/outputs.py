@@ -19,7 +19,8 @@ class ScheduledRequest:
     #: Tokens whose KV the request already has before this step.
     num_computed_tokens: int
     num_scheduled_tokens: int
-    #: The request's whole block table after this step's allocation.
+    #: The request's whole block table after this step's allocation. A live view
+    #: of the scheduler's table, valid until the next ``schedule()``: copy it to keep it.
     block_ids: list[int]
     #: Tokens the request knows at schedule time; a step that reaches this many
     #: computed tokens samples the next one.

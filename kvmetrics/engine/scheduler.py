@@ -283,7 +283,8 @@ class Scheduler:
             events.recomputed("preemption", redo_end - split, request.request_id)
         blocks = self.kv.req_blocks[request.request_id]
         out.scheduled.append(ScheduledRequest(
-            request.request_id, c, n, [b.block_id for b in blocks], request.num_tokens,
+            request.request_id, c, n, self.kv.req_block_ids[request.request_id],
+            request.num_tokens,
             is_prefill=c < request.num_prompt_tokens))
         if self.connector is not None:
             bs = self.block_size

@@ -1,36 +1,64 @@
-"""Per-step invariants of the design brief, checked on events and running totals.
+"""Per-step invariants of the design brief, checked on events and accepted increments.
 
-A break is reported as ``kind=invariant`` on the metric it concerns. The checks
-only read what the step reported and the accepted totals, so they work the same
-for the reference engine and for vLLM's scheduler.
+A break is reported as ``kind=invariant`` on the metric it concerns. The checker
+keeps its own running sums, fed with every increment the pipeline accepts, so a
+step costs O(increments of that step), not O(series). It only reads what steps
+report, so it works the same for the reference engine and for vLLM's scheduler.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.guard import Violation
-from kvmetrics.metrics.totals import Totals
+
+_QUERIES = cat.PREFIX_CACHE_QUERY_TOKENS.name
+_HITS = cat.PREFIX_CACHE_HIT_TOKENS.name
+_RECOMPUTED = cat.RECOMPUTED_TOKENS.name
+_ROLLED_BACK = cat.ROLLED_BACK_TOKENS.name
 
 
 class InvariantChecker:
-    """Keeps the little state the cumulative invariants need between steps."""
-
     def __init__(self) -> None:
+        self._queries: dict[str, float] = defaultdict(float)
+        self._hits: dict[str, float] = defaultdict(float)
+        self._recomputed_after_failure = 0.0
+        self._rolled_back = 0.0
         self._discarded_tokens = 0
         self._recompute_excess = 0.0
-        self._previous: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._series: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
+        self._decreased: list[tuple[str, tuple[str, ...], float, float]] = []
 
-    def check(self, events: StepEvents, totals: Totals) -> list[Violation]:
+    def observe(self, spec: cat.MetricSpec, values: tuple[str, ...], amount: float,
+                exported_total: float) -> None:
+        """Called for every accepted increment with the series' new exported total."""
+        name = spec.name
+        key = (name, values)
+        before = self._series[key]
+        if exported_total < before:
+            self._decreased.append((name, values, before, exported_total))
+        self._series[key] = exported_total
+        if name == _QUERIES:
+            self._queries[values[0]] += amount
+        elif name == _HITS:
+            self._hits[values[0]] += amount
+        elif name == _RECOMPUTED:
+            if values[0] == "kv_load_failure":
+                self._recomputed_after_failure += amount
+        elif name == _ROLLED_BACK:
+            self._rolled_back += amount
+
+    def check(self, events: StepEvents) -> list[Violation]:
         found: list[Violation] = []
         step = events.step
 
         def broken(spec: cat.MetricSpec, detail: str, request_id: str | None = None) -> None:
             found.append(Violation(spec.name, "invariant", step, detail, request_id))
 
-        for source in cat.SOURCE:
-            queried = totals.get(cat.PREFIX_CACHE_QUERY_TOKENS, source=source)
-            hit = totals.get(cat.PREFIX_CACHE_HIT_TOKENS, source=source)
+        for source, hit in self._hits.items():
+            queried = self._queries[source]
             if hit > queried:
                 broken(cat.PREFIX_CACHE_HIT_TOKENS,
                        f"{source} hits {hit:g} exceed queries {queried:g}")
@@ -52,20 +80,15 @@ class InvariantChecker:
                        rb.request_id)
 
         self._discarded_tokens += events.discarded_tokens
-        recomputed = totals.get(cat.RECOMPUTED_TOKENS, cause="kv_load_failure")
-        rolled_back = totals.get(cat.ROLLED_BACK_TOKENS)
-        excess = recomputed - rolled_back - self._discarded_tokens
+        excess = self._recomputed_after_failure - self._rolled_back - self._discarded_tokens
         if excess > self._recompute_excess:
             # Cumulative: report a breach when it appears or grows, not every step after.
             broken(cat.RECOMPUTED_TOKENS,
-                   f"recomputed after load failures {recomputed:g} > rolled back "
-                   f"{rolled_back:g} + discarded {self._discarded_tokens}")
+                   f"recomputed after load failures {self._recomputed_after_failure:g} > "
+                   f"rolled back {self._rolled_back:g} + discarded {self._discarded_tokens}")
         self._recompute_excess = max(self._recompute_excess, excess)
 
-        current = totals.series()
-        for key, before in self._previous.items():
-            if current.get(key, 0.0) < before:
-                broken(cat.spec(key[0]), f"series {key[1]} went from {before:g} "
-                       f"to {current.get(key, 0.0):g}")
-        self._previous = current
+        for name, values, before, after in self._decreased:
+            broken(cat.spec(name), f"series {values} went from {before:g} to {after:g}")
+        self._decreased.clear()
         return found

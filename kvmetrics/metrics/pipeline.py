@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from kvmetrics import __version__
 from kvmetrics.metrics import catalogue as cat
-from kvmetrics.metrics.events import StepEvents
+from kvmetrics.metrics.events import GaugeReadings, StepEvents
 from kvmetrics.metrics.guard import Violation, check_increment, report
 from kvmetrics.metrics.invariants import InvariantChecker
 from kvmetrics.metrics.sink import MetricSink
@@ -41,6 +41,7 @@ class MetricsPipeline:
         self.violations: list[Violation] = []
         self._invariants = InvariantChecker() if check_invariants else None
         self._failed_sinks: set[tuple[int, type]] = set()
+        self._last_gauges: GaugeReadings | None = None
         self._announce()
 
     def add_sink(self, sink: MetricSink) -> None:
@@ -59,8 +60,11 @@ class MetricsPipeline:
                 self._violate(violation)
                 continue
             self._apply(inc.spec, inc.label_values, inc.amount)
-        if events.gauges is not None:
-            g = events.gauges
+        g = events.gauges
+        if g is not None and g != self._last_gauges:
+            # Decode-heavy steps rarely change these; skipping equal readings keeps
+            # the per-step cost of instrumentation near zero.
+            self._last_gauges = g
             self._set(cat.KV_CACHE_USAGE, (), g.kv_cache_usage)
             self._set(cat.REQUESTS, ("running",), g.running)
             self._set(cat.REQUESTS, ("waiting",), g.waiting)
@@ -70,7 +74,7 @@ class MetricsPipeline:
                 self._safely(sink, "observe", cat.RECOVERY_DURATION, self.common,
                              events.recovery_seconds)
         if self._invariants is not None:
-            for violation in self._invariants.check(events, self.totals):
+            for violation in self._invariants.check(events):
                 self._violate(violation)
 
     # -- internals --------------------------------------------------------------
@@ -81,7 +85,9 @@ class MetricsPipeline:
                          self.common + (__version__, self.engine_kind))
 
     def _apply(self, spec: cat.MetricSpec, values: tuple[str, ...], amount: float) -> None:
-        self.totals.add(spec, values, amount)
+        total = self.totals.add(spec, values, amount)
+        if self._invariants is not None:
+            self._invariants.observe(spec, values, amount, total)
         full = self.common + values
         for sink in self.sinks:
             self._safely(sink, "inc", spec, full, amount)

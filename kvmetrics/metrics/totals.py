@@ -16,8 +16,12 @@ class Totals:
     def __init__(self) -> None:
         self._values: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
 
-    def add(self, spec: MetricSpec, label_values: tuple[str, ...], amount: float) -> None:
-        self._values[(spec.name, label_values)] += amount
+    def add(self, spec: MetricSpec, label_values: tuple[str, ...], amount: float) -> float:
+        """Add and return the series' new total."""
+        key = (spec.name, label_values)
+        total = self._values[key] + amount
+        self._values[key] = total
+        return total
 
     def get(self, spec: MetricSpec, **labels: str) -> float:
         """Sum over every series of ``spec`` whose labels match the given ones."""
