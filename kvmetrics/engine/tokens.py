@@ -10,6 +10,7 @@ plane actually needs them.
 
 from __future__ import annotations
 
+import functools
 import struct
 from array import array
 from collections.abc import Sequence
@@ -88,10 +89,20 @@ class BlockSeededTokens:
 
     def tokens(self, start: int, end: int) -> list[int]:
         out: list[int] = []
-        for pos in range(start, end):
+        pos = start
+        while pos < end:
             idx, off = divmod(pos, self.unit)
-            out.append(mix64((self._units[idx] << 20) + off) % VOCAB_SIZE)
+            stop = min(end, (idx + 1) * self.unit)
+            out.extend(_unit_tokens(self._units[idx], self.unit)[off:stop - idx * self.unit])
+            pos = stop
         return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _unit_tokens(unit_id: int, unit: int) -> tuple[int, ...]:
+    """All tokens of one trace block; cached because traces share blocks heavily."""
+    base = unit_id << 20
+    return tuple(mix64(base + off) % VOCAB_SIZE for off in range(unit))
 
 
 def output_key(tokens: Sequence[int]) -> bytes:
