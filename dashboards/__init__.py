@@ -1,0 +1,1 @@
+"""Grafana dashboards for kvmetrics, built in Python; ``python -m dashboards.build`` writes them."""

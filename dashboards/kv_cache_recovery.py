@@ -1,0 +1,392 @@
+"""The "KV cache recovery" dashboard: what the KV-load recovery path did, and its cost.
+
+Layout follows the questions an operator asks during an incident: is the cache
+still paying off (prefix hit ratios), are KV loads failing and what did recovery
+cost (rolled-back and recomputed tokens), is the cache churning (evictions), is
+the scheduler under pressure, did anyone read bad KV (verification), and can we
+trust the numbers at all (counter violations, exporter health).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from grafana_foundation_sdk.builders import dashboard as dash_b
+from grafana_foundation_sdk.cog import builder as cogbuilder
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DashboardLinkType,
+    Panel,
+    VariableModel,
+    VariableRefresh,
+    VariableSort,
+)
+
+from dashboards import panels as p
+from dashboards.queries import (
+    FILTER,
+    quantile,
+    ratio,
+    sel,
+    sum_rate,
+    target_sel,
+    zero_if_absent,
+)
+from kvmetrics.metrics import catalogue as c
+
+UID = "kvmetrics-kv-recovery"
+TITLE = "KV cache recovery"
+RUNBOOK_URL = "https://github.com/kvmetrics/kvmetrics/blob/main/docs/runbook.md"
+
+Panels = list[cogbuilder.Builder[Panel]]
+
+_QUERY = c.PREFIX_CACHE_QUERY_TOKENS.name
+_HIT = c.PREFIX_CACHE_HIT_TOKENS.name
+_PROMPT = c.PROMPT_TOKENS.name
+_BLOCKS = c.KV_LOAD_BLOCKS.name
+_FAILED_REQ = c.KV_LOAD_FAILED_REQUESTS.name
+_ROLLED = c.ROLLED_BACK_TOKENS.name
+_RECOMPUTED = c.RECOMPUTED_TOKENS.name
+_EVICTED = c.EVICTED_BLOCKS.name
+_VIOLATIONS = c.COUNTER_VIOLATIONS.name
+
+
+def _events(name: str, **labels: str) -> str:
+    """Rate of a rarely incremented counter, 0 (not "No data") while the engine runs.
+
+    Such counters have no series until their first event; prompt tokens are
+    counted by every running engine, so they tell a quiet engine from a dead one.
+    """
+    return zero_if_absent(sum_rate(name, **labels), sum_rate(_PROMPT))
+
+
+def _hit_ratio(source: str) -> str:
+    return ratio(sum_rate(_HIT, source=source), sum_rate(_QUERY, source=source))
+
+
+def _violations_in_range() -> str:
+    """Violations within the dashboard's time range, including a series' first ones.
+
+    The violations counter has an open ``metric`` label, so its series appear only
+    when the first violation happens, often already above zero; ``increase`` needs
+    two samples and would miss that first jump. A series absent at the start of the
+    range contributes its whole value instead.
+    """
+    new_series = f"({sel(_VIOLATIONS)} unless {sel(_VIOLATIONS)} offset $__range)"
+    total = f"sum(\n{new_series}\nor\nincrease({sel(_VIOLATIONS)}[$__range])\n)"
+    return zero_if_absent(total, f"count({sel(c.BUILD_INFO.name)})")
+
+
+def summary_stats() -> Panels:
+    """Top row: six numbers that say whether recovery is happening and what it costs."""
+    return [
+        p.single_stat(
+            "Local prefix hit ratio",
+            "Share of prompt tokens looked up in the local prefix cache that were found.",
+            p.RATIO, _hit_ratio("local"), steps=p.HIGHER_BETTER,
+        ),
+        p.single_stat(
+            "External prefix hit ratio",
+            "Share of prompt tokens offered to the KV connector that it matched. Hits are "
+            "counted when matched, even if the load later fails.",
+            p.RATIO, _hit_ratio("external"), steps=p.HIGHER_BETTER,
+        ),
+        p.single_stat(
+            "Failed KV load blocks",
+            "External KV blocks whose load failed, per second (all modes).",
+            p.BLOCKS_PER_S, _events(_BLOCKS, outcome="failed"),
+            steps=((None, "green"), (1e-9, "yellow"), (1, "red")),
+        ),
+        p.single_stat(
+            "Rolled-back tokens",
+            "Computed tokens the recovery path took back, per second.",
+            p.TOKENS_PER_S, _events(_ROLLED),
+            steps=((None, "green"), (1e-9, "yellow"), (1000, "red")),
+        ),
+        p.single_stat(
+            "Recompute waste",
+            "Tokens computed again (after failed loads or preemption) as a share of prompt "
+            "tokens of first prefills. Can exceed 100% when decode tokens are lost too.",
+            p.RATIO, ratio(sum_rate(_RECOMPUTED), sum_rate(_PROMPT)),
+            steps=((None, "green"), (0.05, "yellow"), (0.2, "red")),
+        ),
+        p.single_stat(
+            "Counter violations",
+            "Counter increments the guard refused and broken invariants in the selected time "
+            "range. Any value above zero is an accounting bug: see the runbook.",
+            p.COUNT, _violations_in_range(), steps=p.ANY_IS_BAD, instant=True,
+        ),
+    ]
+
+
+def prefix_caching() -> Panels:
+    by = ("source", "admission")
+    return [
+        p.time_series(
+            "Prefix hit ratio by source and admission",
+            "admission=repeat marks re-admissions after preemption or a reset failed load; "
+            "vLLM's own stats drop those.",
+            p.RATIO,
+            [(ratio(sum_rate(_HIT, by=by), sum_rate(_QUERY, by=by)), "{{source}} {{admission}}")],
+            steps=p.HIGHER_BETTER, max_value=1, width=8,
+        ),
+        p.time_series(
+            "Prefix lookups",
+            "Prompt tokens looked up and found, per second, by source.",
+            p.TOKENS_PER_S,
+            [
+                (sum_rate(_QUERY, by=("source",)), "queried {{source}}"),
+                (sum_rate(_HIT, by=("source",)), "hit {{source}}"),
+            ],
+            width=8,
+        ),
+        p.time_series(
+            "Prompt tokens by KV source",
+            "Where the KV of first-prefill prompt tokens came from: computed, local cache "
+            "or loaded through the connector.",
+            p.TOKENS_PER_S,
+            [(sum_rate(_PROMPT, by=("source",)), "{{source}}")],
+            stacked=True, width=8,
+        ),
+    ]
+
+
+def kv_loads_and_recovery() -> Panels:
+    failed_by_mode = sum_rate(_BLOCKS, by=("mode",), outcome="failed")
+    return [
+        p.time_series(
+            "KV load blocks by mode and outcome",
+            "External blocks whose load finished, per second.",
+            p.BLOCKS_PER_S,
+            [(sum_rate(_BLOCKS, by=("mode", "outcome")), "{{mode}} {{outcome}}")],
+            width=8,
+        ),
+        p.time_series(
+            "KV load failure ratio by mode",
+            "Failed blocks over all finished external block loads.",
+            p.RATIO,
+            [(ratio(failed_by_mode, sum_rate(_BLOCKS, by=("mode",))), "{{mode}}")],
+            steps=((None, "green"), (0.01, "yellow"), (0.05, "red")), max_value=1, width=8,
+        ),
+        p.time_series(
+            "Requests hit by failed loads",
+            "Requests whose KV load failed, by mode, failure policy and what the policy did "
+            "(rescheduled to recompute, or failed with an error).",
+            p.REQ_PER_S,
+            [
+                (
+                    sum_rate(_FAILED_REQ, by=("mode", "policy", "action")),
+                    "{{mode}} {{policy}} {{action}}",
+                )
+            ],
+            width=8,
+        ),
+        p.time_series(
+            "Rolled-back tokens by mode and policy",
+            "Computed tokens taken back by the recovery path, per second.",
+            p.TOKENS_PER_S,
+            [(sum_rate(_ROLLED, by=("mode", "policy")), "{{mode}} {{policy}}")],
+            width=8,
+        ),
+        p.time_series(
+            "Recomputed tokens by cause",
+            "Tokens computed again because their KV was lost to a failed load or preemption.",
+            p.TOKENS_PER_S,
+            [(sum_rate(_RECOMPUTED, by=("cause",)), "{{cause}}")],
+            stacked=True, width=8,
+        ),
+        p.time_series(
+            "Recovery path duration",
+            "Quantiles of the wall time per scheduler step that ran the recovery path.",
+            p.SECONDS,
+            [
+                (quantile(0.5, c.RECOVERY_DURATION), "p50"),
+                (quantile(0.9, c.RECOVERY_DURATION), "p90"),
+                (quantile(0.99, c.RECOVERY_DURATION), "p99"),
+            ],
+            steps=((None, "green"), (0.01, "yellow"), (0.1, "red")), width=8,
+        ),
+    ]
+
+
+def evictions() -> Panels:
+    return [
+        p.time_series(
+            "Evicted blocks by cause",
+            "Blocks removed from the prefix cache: capacity (free block reused), "
+            "kv_load_failure (failed block and its chained successors), reset.",
+            p.BLOCKS_PER_S,
+            [(sum_rate(_EVICTED, by=("cause",)), "{{cause}}")],
+            stacked=True,
+        ),
+        p.time_series(
+            "Evictions caused by failed loads",
+            "Share of evicted blocks that a failed KV load removed.",
+            p.RATIO,
+            [(ratio(sum_rate(_EVICTED, cause="kv_load_failure"), sum_rate(_EVICTED)), "share")],
+            steps=((None, "green"), (0.05, "yellow"), (0.25, "red")), max_value=1,
+        ),
+    ]
+
+
+def scheduler_state() -> Panels:
+    usage = f"max by (model_name, engine) ({sel(c.KV_CACHE_USAGE.name)})"
+    return [
+        p.time_series(
+            "Requests by state",
+            "Requests in the scheduler; waiting_for_remote_kv waits on async KV loads.",
+            p.COUNT,
+            [(f"sum by (state) ({sel(c.REQUESTS.name)})", "{{state}}")],
+            stacked=True, width=8,
+        ),
+        p.time_series(
+            "KV cache usage",
+            "Share of KV cache blocks in use by requests, per engine.",
+            p.RATIO,
+            [(usage, "{{model_name}} engine {{engine}}")],
+            steps=((None, "green"), (0.8, "yellow"), (0.95, "red")), max_value=1, width=8,
+        ),
+        p.time_series(
+            "Preemptions and finished requests",
+            "Preempted requests and finished requests by reason (error includes requests "
+            "failed by kv_load_failure_policy=fail).",
+            p.REQ_PER_S,
+            [
+                (_events(c.PREEMPTIONS.name), "preempted"),
+                (sum_rate(c.FINISHED_REQUESTS.name, by=("reason",)), "finished {{reason}}"),
+            ],
+            width=8,
+        ),
+    ]
+
+
+def verification() -> Panels:
+    return [
+        p.time_series(
+            "Verified KV tokens",
+            "Tokens of KV the data-plane verifier compared with a clean computation.",
+            p.TOKENS_PER_S,
+            [(sum_rate(c.KV_VERIFIED_TOKENS.name), "verified")],
+        ),
+        p.time_series(
+            "KV verification failures",
+            "Reads of KV that differed from a clean computation: a request attended over "
+            "stale or poisoned KV. Any value is an incident.",
+            p.FINDINGS_PER_S,
+            [
+                (
+                    zero_if_absent(
+                        sum_rate(c.KV_VERIFICATION_FAILURES.name),
+                        sum_rate(c.KV_VERIFIED_TOKENS.name),
+                    ),
+                    "failures",
+                )
+            ],
+            steps=p.ANY_IS_BAD,
+        ),
+    ]
+
+
+def exporter_health() -> Panels:
+    build = sel(c.BUILD_INFO.name)
+    return [
+        p.single_stat(
+            "Targets up",
+            "Scrape targets of the jobs that export kvmetrics (1 = up).",
+            p.NONE, target_sel("up"), legend="{{job}} {{instance}}",
+            steps=((None, "red"), (1, "green")), width=6, height=6,
+        ),
+        p.single_stat(
+            "kvmetrics build",
+            "Engines per kvmetrics version and instrumented engine kind.",
+            p.COUNT, f"count by (version, engine_kind) ({build})",
+            legend="{{version}} {{engine_kind}}", steps=p.NEUTRAL, width=6, height=6,
+        ),
+        p.time_series(
+            "Scrape duration",
+            "Time Prometheus spends scraping each target; near the timeout means lost data.",
+            p.SECONDS,
+            [(target_sel("scrape_duration_seconds"), "{{job}} {{instance}}")],
+            steps=((None, "green"), (1, "yellow"), (5, "red")), width=6,
+        ),
+        p.time_series(
+            "Samples per scrape",
+            "Series exposed per target: a sudden rise means a label's cardinality grew.",
+            p.COUNT,
+            [(target_sel("scrape_samples_scraped"), "{{job}} {{instance}}")],
+            width=6,
+        ),
+    ]
+
+
+ROWS: tuple[tuple[str, Callable[[], Panels]], ...] = (
+    ("Prefix caching", prefix_caching),
+    ("KV loads and recovery", kv_loads_and_recovery),
+    ("Evictions", evictions),
+    ("Scheduler state", scheduler_state),
+    ("Data-plane verification", verification),
+    ("Exporter health", exporter_health),
+)
+
+
+def _variables() -> list[cogbuilder.Builder[VariableModel]]:
+    build_info = c.BUILD_INFO.name
+
+    def label_values(
+        name: str, label: str, query: str, all_value: str | None
+    ) -> dash_b.QueryVariable:
+        var = (
+            dash_b.QueryVariable(name)
+            .label(label)
+            .query(query)
+            .datasource(p.DATASOURCE)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True)
+            .include_all(True)
+        )
+        return var.all_value(all_value) if all_value is not None else var
+
+    return [
+        dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+        label_values("model_name", "Model", f"label_values({build_info}, model_name)", ".*"),
+        label_values(
+            "engine", "Engine",
+            f'label_values({build_info}{{model_name=~"$model_name"}}, engine)', ".*",
+        ),
+        # No ".*" for "All": it must expand to the listed jobs only, or the health
+        # panels would show every target in Prometheus.
+        label_values("job", "Job", f"label_values({build_info}{{{FILTER}}}, job)", None),
+    ]
+
+
+def build() -> dash_b.Dashboard:
+    """The dashboard builder; rows are expanded so every panel is visible at once."""
+    board = (
+        dash_b.Dashboard(TITLE)
+        .uid(UID)
+        .description(
+            "KV-cache load failures and recovery in vLLM-style engines, from the "
+            "kvmetrics exporter (catalogue: kvmetrics.metrics.catalogue)."
+        )
+        .tags(["kvmetrics", "kv-cache", "vllm"])
+        .time("now-1h", "now")
+        .refresh("30s")
+        .timezone("browser")
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .link(
+            dash_b.DashboardLink("Runbook")
+            .type(DashboardLinkType.LINK)
+            .url(RUNBOOK_URL)
+            .target_blank(True)
+        )
+        .variables(_variables())
+    )
+    for panel in summary_stats():
+        board = board.with_panel(panel)
+    for title, make_panels in ROWS:
+        board = board.with_row(p.row(title))
+        for panel in make_panels():
+            board = board.with_panel(panel)
+    return board
+

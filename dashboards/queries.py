@@ -1,0 +1,123 @@
+"""PromQL building blocks for the dashboards, and Grafana-variable substitution.
+
+Every metric name comes from :mod:`kvmetrics.metrics.catalogue`: a dashboard that
+queries a series the exporter never writes shows an empty panel instead of an
+error, so the names are never spelled by hand here. Label values on bounded labels
+are checked against the catalogue for the same reason (``outcome="fail"`` instead
+of ``outcome="failed"`` would silently match nothing).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from kvmetrics.metrics import catalogue
+
+#: Matchers applied to every kvmetrics selector, so that one dashboard serves
+#: several models and data-parallel engines sharing one Prometheus.
+FILTER = 'model_name=~"$model_name", engine=~"$engine"'
+
+#: Series Prometheus writes itself for every scrape target. They carry no
+#: ``model_name``/``engine`` labels, so they are filtered by ``job`` instead (the
+#: ``$job`` variable lists the jobs whose targets export kvmetrics).
+TARGET_SERIES: tuple[str, ...] = ("up", "scrape_duration_seconds", "scrape_samples_scraped")
+TARGET_FILTER = 'job=~"$job"'
+
+#: Values used when a query is evaluated outside Grafana (tests, the live check).
+#: ``.*`` selects every model and engine, as the dashboard's "All" option does.
+GRAFANA_VARS: dict[str, str] = {
+    "__rate_interval": "1m",
+    "__interval": "1m",
+    "__range": "1h",
+    "model_name": ".*",
+    "engine": ".*",
+    "job": ".*",
+    "datasource": "prometheus",
+}
+
+_VAR = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+
+#: Series name -> the family that exposes it (histograms expose three names).
+_FAMILY: dict[str, catalogue.MetricSpec] = {
+    name: spec for spec in catalogue.ALL_METRICS for name in spec.series_names()
+}
+
+
+def substitute_grafana_vars(expr: str) -> str:
+    """Replace Grafana variables by values that make ``expr`` plain PromQL.
+
+    Unknown variables raise, so that a typo such as ``$modelname`` fails a test
+    instead of reaching Prometheus as a literal.
+    """
+
+    def repl(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        try:
+            return GRAFANA_VARS[name]
+        except KeyError:
+            raise ValueError(f"unknown Grafana variable ${name} in {expr!r}") from None
+
+    return _VAR.sub(repl, expr)
+
+
+def series(spec: catalogue.MetricSpec, suffix: str = "") -> str:
+    """Name of one sample series of ``spec`` (``suffix`` picks a histogram's part)."""
+    name = spec.name + suffix
+    if name not in spec.series_names():
+        raise KeyError(f"{name!r} is not a series of {spec.name!r}")
+    return name
+
+
+def sel(name: str, **labels: str) -> str:
+    """Selector for a catalogue series with the dashboard filter and exact label values."""
+    family = _FAMILY.get(name)
+    if family is None:
+        raise KeyError(f"{name!r} is not in the kvmetrics catalogue")
+    for label, value in labels.items():
+        if label not in family.label_names:
+            raise KeyError(f"{family.name} has no label {label!r}")
+        allowed = family.labels.get(label)
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{family.name}{{{label}}} never takes the value {value!r}")
+    extra = "".join(f', {label}="{value}"' for label, value in labels.items())
+    return f"{name}{{{FILTER}{extra}}}"
+
+
+def target_sel(name: str) -> str:
+    """Selector for a per-target series Prometheus writes (``up`` and friends)."""
+    if name not in TARGET_SERIES:
+        raise KeyError(f"{name!r} is not a per-target Prometheus series")
+    return f"{name}{{{TARGET_FILTER}}}"
+
+
+def _by(labels: Iterable[str]) -> str:
+    labels = tuple(labels)
+    return f" by ({', '.join(labels)})" if labels else ""
+
+
+def sum_rate(name: str, by: Iterable[str] = (), **labels: str) -> str:
+    """Per-second rate summed over the selection, over Grafana's safe rate window."""
+    return f"sum{_by(by)} (rate({sel(name, **labels)}[$__rate_interval]))"
+
+
+def zero_if_absent(expr: str, reference: str) -> str:
+    """``expr``, or 0 wherever ``reference`` has data but ``expr`` has no series.
+
+    A labelled counter's series is created by its first increment: until a load
+    fails there is no ``outcome="failed"`` series, and a panel over it would say
+    "No data" although the truthful answer is 0. The reference (e.g. the rate of
+    all loads) decides where 0 is true, so a dead exporter still shows no data.
+    """
+    return f"(\n{expr}\nor\n{reference} * 0\n)"
+
+
+def ratio(numerator: str, denominator: str) -> str:
+    """``numerator / denominator``: 0, not NaN or +Inf, when idle or nothing counted yet."""
+    return f"{zero_if_absent(numerator, denominator)}\n/\nclamp_min({denominator}, 1e-9)"
+
+
+def quantile(q: float, spec: catalogue.MetricSpec, by: Iterable[str] = ()) -> str:
+    """Quantile of a catalogue histogram over the rate window, aggregated by ``le``."""
+    keep = ("le", *by)
+    return f"histogram_quantile({q}, {sum_rate(series(spec, '_bucket'), by=keep)})"
