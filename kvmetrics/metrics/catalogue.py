@@ -8,6 +8,7 @@ docs/metrics.md and the changelog.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -196,6 +197,20 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in ALL_METRICS}
 COUNTERS: tuple[MetricSpec, ...] = tuple(s for s in ALL_METRICS if s.kind == "counter")
+
+
+def bounded_label_sets(spec: MetricSpec) -> list[tuple[str, ...]]:
+    """Every value combination of a family's own labels, when they are all enumerable.
+
+    Exporters create these series at zero up front, so that ``rate()`` and
+    ``increase()`` see a counter's very first increment. Families with an open
+    label get none: the violations counter in particular appears only once a
+    violation happens (its alert catches the first appearance), which also keeps
+    a healthy page free of promtool's lint on names containing "counter".
+    """
+    if spec.open_labels:
+        return []
+    return [tuple(combo) for combo in itertools.product(*spec.labels.values())]
 
 
 def exported_series_names() -> frozenset[str]:

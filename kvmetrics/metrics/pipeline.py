@@ -47,7 +47,7 @@ class MetricsPipeline:
     def add_sink(self, sink: MetricSink) -> None:
         """Attach an exporter late; it sees the build info and the totals so far."""
         self.sinks.append(sink)
-        self._safely(sink, "info", cat.BUILD_INFO, self.common + (__version__, self.engine_kind))
+        self._announce_to(sink)
         for (name, values), amount in self.totals.series().items():
             self._safely(sink, "inc", cat.spec(name), self.common + values, amount)
 
@@ -81,8 +81,14 @@ class MetricsPipeline:
 
     def _announce(self) -> None:
         for sink in self.sinks:
-            self._safely(sink, "info", cat.BUILD_INFO,
-                         self.common + (__version__, self.engine_kind))
+            self._announce_to(sink)
+
+    def _announce_to(self, sink: MetricSink) -> None:
+        """Build info, and every bounded counter series at zero (see bounded_label_sets)."""
+        self._safely(sink, "info", cat.BUILD_INFO, self.common + (__version__, self.engine_kind))
+        for spec in cat.COUNTERS:
+            for values in cat.bounded_label_sets(spec):
+                self._safely(sink, "inc", spec, self.common + values, 0)
 
     def _apply(self, spec: cat.MetricSpec, values: tuple[str, ...], amount: float) -> None:
         total = self.totals.add(spec, values, amount)
