@@ -40,6 +40,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="override every request's output length")
     g.add_argument("--step-seconds", type=float, default=0.02, metavar="S",
                    help="workload seconds per engine step (maps arrival times to steps)")
+    g.add_argument("--realtime", action="store_true",
+                   help="pace steps to --step-seconds of wall time (live dashboards, demos)")
     g.add_argument("--abort-rate", type=float, default=0.0, metavar="P",
                    help="probability that a request is aborted after it arrives")
     g = p.add_argument_group("engine")
@@ -135,7 +137,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         fault_plan=args.fault_plan, policy=args.policy, accounting=args.accounting,
         store_blocks=args.store_blocks, kv_dim=args.kv_dim, device=args.device,
         verify=args.verify, verify_fraction=args.verify_fraction, seed=args.seed,
-        step_seconds=args.step_seconds, abort_rate=args.abort_rate, serve=args.serve,
+        step_seconds=args.step_seconds, realtime=args.realtime, abort_rate=args.abort_rate,
+        serve=args.serve,
         linger=args.linger, otlp_endpoint=args.otlp_endpoint, strict=args.strict,
         model_name=args.model_name,
         progress=not args.no_progress and sys.stderr.isatty())

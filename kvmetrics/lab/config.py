@@ -48,6 +48,9 @@ class LabConfig:
     #: Workload seconds per engine step: a request arriving at t seconds joins the
     #: scheduler before step floor(t / step_seconds) (idle stretches are skipped).
     step_seconds: float = 0.02
+    #: Pace the run so each step takes at least ``step_seconds`` of wall time, so a
+    #: scraper sees the counters move as they would in production (demos, tests).
+    realtime: bool = False
     #: Probability that a request is aborted some steps after it arrives.
     abort_rate: float = 0.0
     serve: str | None = None

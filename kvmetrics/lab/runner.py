@@ -139,6 +139,10 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
                 abort_at.setdefault(clock + delay, []).append(item.request_id)
         for rid in abort_at.pop(clock, ()):
             engine.abort(rid)
+        if cfg.realtime:
+            lag = start + executed * cfg.step_seconds - time.monotonic()
+            if lag > 0:
+                time.sleep(lag)
         engine.step()
         instrumented.flush()
         clock += 1
