@@ -3,8 +3,8 @@
 :class:`~kvmetrics.engine.external_store.ExternalStoreIndex` decides which block
 hash lives in which slot and what LRU evicts; it is shared with the tensor-less
 executor so both runners make the same store decisions. This module only holds
-the bytes. With CUDA the tensor is pinned so host->device copies can run as DMA
-(and asynchronously); gathers land in pinned staging memory for the same reason.
+the bytes; :mod:`kvmetrics.kv.copy` moves them into the device cache. With CUDA
+the tensor is pinned so that host<->device copies run as asynchronous DMA.
 Slots never written are NaN, like the device cache, so a bug that loads one is
 caught by the verifier rather than served as plausible KV.
 """
@@ -30,16 +30,6 @@ class HostKVStore:
     @property
     def capacity(self) -> int:
         return self.index.capacity
-
-    def gather(self, slots: torch.Tensor) -> torch.Tensor:
-        """The blocks in ``slots`` as one host tensor (pinned when the store is)."""
-        slots = slots.to("cpu")
-        if not self.pin_memory:
-            return self.data.index_select(0, slots)
-        out = torch.empty((slots.numel(), self.block_size, self.kv_dim), dtype=self.data.dtype,
-                          pin_memory=True)
-        torch.index_select(self.data, 0, slots, out=out)
-        return out
 
     def scatter(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
         """Write blocks into ``slots`` (device->host when the cache is on a GPU)."""
