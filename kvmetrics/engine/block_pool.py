@@ -59,6 +59,17 @@ class FreeBlockQueue:
         block.prev_free = block.next_free = None
         self.size -= 1
 
+    def prepend_n(self, blocks: list[KVBlock]) -> None:
+        """Put blocks at the front, in order: the first is handed out first."""
+        for block in reversed(blocks):
+            first = self._head.next_free
+            assert first is not None
+            block.prev_free = self._head
+            block.next_free = first
+            first.prev_free = block
+            self._head.next_free = block
+            self.size += 1
+
     def append(self, block: KVBlock) -> None:
         last = self._tail.prev_free
         assert last is not None
@@ -155,14 +166,24 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered: Iterable[KVBlock]) -> None:
-        """Drop one reference each; blocks reaching zero join the queue in this order."""
+        """Drop one reference each, ``ordered`` by eviction priority.
+
+        As in vLLM, freed blocks without a hash can never be hit, so they go to
+        the front for immediate reuse; hashed blocks go to the back, keeping the
+        prefix cache in LRU order.
+        """
+        reuse_first: list[KVBlock] = []
         for block in ordered:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
                 self.num_used_blocks -= 1
+                if block.block_hash is None:
+                    reuse_first.append(block)
+                else:
+                    self.free_queue.append(block)
             elif block.ref_cnt < 0:
                 self.negative_ref_counts += 1
+        self.free_queue.prepend_n(reuse_first)
 
     @property
     def num_free_blocks(self) -> int:

@@ -30,6 +30,20 @@ def sample_token(seed: int, position: int, eos_probability: float = 0.0) -> int:
     return x % VOCAB_SIZE
 
 
+def discarded_requests(out: SchedulerOutput, invalid: set[int]) -> set[str]:
+    """Scheduled requests that read a block reported invalid in this step.
+
+    The recovery path throws their output away, and the KV they computed was
+    computed over bad KV, so nothing of theirs may be saved to the store: not just
+    the owner of the failed load, but every request sharing the failed block.
+    Blocks a step allocates are never the target of its loads, so checking the
+    whole table is the same as checking the blocks read.
+    """
+    if not invalid:
+        return set()
+    return {s.request_id for s in out.scheduled if not invalid.isdisjoint(s.block_ids)}
+
+
 class SimulatedExecutor:
     def __init__(self, faults: FaultPlan | None = None, store: ExternalStoreIndex | None = None,
                  eos_probability: float = 0.0, async_delay_steps: int = 1) -> None:
@@ -41,18 +55,16 @@ class SimulatedExecutor:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
-        bad_requests: set[str] = set()
         if self.transfers is not None:
             for outcome in self.transfers.start(out.step, out.loads):
                 result.invalid_block_ids.update(outcome.failed)
-                if outcome.failed:
-                    bad_requests.add(outcome.spec.request_id)
             for outcome in self.transfers.finish_due(out.step):
                 result.invalid_block_ids.update(outcome.failed)
                 result.finished_recving.add(outcome.spec.request_id)
         if self.store is not None:
+            discarded = discarded_requests(out, result.invalid_block_ids)
             for save in out.saves:
-                if save.request_id not in bad_requests:
+                if save.request_id not in discarded:
                     self.store.insert(save.block_hash)
         for sched in out.scheduled:
             end = sched.num_computed_tokens + sched.num_scheduled_tokens

@@ -47,6 +47,7 @@ class KVCacheManager:
         new_computed_blocks: list[KVBlock] | None = None,
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
+        reserved_blocks: int = 0,
     ) -> list[KVBlock] | None:
         """Give the request room for its computed and new tokens; None if it does not fit.
 
@@ -63,7 +64,7 @@ class KVCacheManager:
         need = max(need, 0)
         # Hits sitting in the free queue stop being free once touched.
         evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if need + evictable_hits > self.pool.num_free_blocks:
+        if need + evictable_hits > self.pool.num_free_blocks - reserved_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]
                 del self.req_block_ids[request.request_id]
@@ -80,6 +81,11 @@ class KVCacheManager:
         if not delay_cache_blocks:
             self.cache_blocks(request, min(computed + num_new_tokens, request.num_tokens))
         return new
+
+    def remaining_blocks(self, request: Request, max_model_len: int) -> int:
+        """Blocks the request still needs to hold its whole sequence."""
+        full = cdiv(min(request.num_tokens, max_model_len), self.block_size)
+        return max(0, full - len(self.req_blocks.get(request.request_id, ())))
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_prefix_caching:

@@ -85,6 +85,10 @@ class Scheduler:
         #: Requests that hold blocks while waiting (async loads in flight).
         self.kv_holding: deque[Request] = deque()
         self.running: list[Request] = []
+        #: Requests whose prefill is still in progress (async loads included): an
+        #: async load is admitted only if their remaining blocks stay free, as in
+        #: vLLM, or loads could take every block while nothing can run.
+        self.inflight_prefills: dict[str, Request] = {}
         self.finished_recving: set[str] = set()
         self.failed_recving: set[str] = set()
         #: Async loads in flight, by request, for counting their blocks on completion.
@@ -106,6 +110,14 @@ class Scheduler:
                 f"request {request.request_id!r} needs {request.num_prompt_tokens} prompt + "
                 f"{request.max_tokens} output tokens, more than max_model_len "
                 f"{self.config.max_model_len}")
+        # Its last sampled token is never computed; any more blocks than the pool holds
+        # and the request could never be scheduled: the engine would spin forever.
+        need = -(-(request.num_prompt_tokens + request.max_tokens - 1) // self.block_size)
+        if need > self.config.num_gpu_blocks - 1:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {need} KV blocks of "
+                f"{self.block_size} tokens, more than the {self.config.num_gpu_blocks - 1} "
+                f"usable blocks of the cache")
         request.update_block_hashes(self.block_size)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -213,8 +225,10 @@ class Scheduler:
                 computed = request.num_computed_tokens
 
             n = 0 if is_async else min(request.num_tokens - computed, budget)
+            reserved = self._reserved_blocks(request) if is_async else 0
             if self.kv.allocate_slots(request, n, local_blocks, ext,
-                                      delay_cache_blocks=is_async) is None:
+                                      delay_cache_blocks=is_async,
+                                      reserved_blocks=reserved) is None:
                 break
             queue.popleft()
             if looked_up:
@@ -227,6 +241,7 @@ class Scheduler:
             request.computed_high_water = max(request.computed_high_water, computed)
             if is_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.inflight_prefills[request.request_id] = request
                 skipped_holding.append(request)
                 continue
             request.status = RequestStatus.RUNNING
@@ -239,6 +254,12 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped_waiting))
         return budget
 
+    def _reserved_blocks(self, admitting: Request) -> int:
+        """Blocks other in-flight prefills still need (a request never waits on itself)."""
+        limit = self.config.max_model_len
+        return sum(self.kv.remaining_blocks(r, limit) for r in self.inflight_prefills.values()
+                   if r is not admitting)
+
     def _land_async_load(self, request: Request) -> None:
         """An async load reported finished: cache what is valid, then wait to run."""
         rid = request.request_id
@@ -249,6 +270,7 @@ class Scheduler:
                 self.kv.cache_blocks(request, request.num_computed_tokens)
             else:
                 self.kv.free(request)
+                self.inflight_prefills.pop(rid, None)
         else:
             self.kv.cache_blocks(request, request.num_computed_tokens)
         if request.num_computed_tokens == request.num_tokens:
@@ -294,9 +316,14 @@ class Scheduler:
                                                request.block_hashes[idx]))
         request.num_computed_tokens = c + n
         request.computed_high_water = max(request.computed_high_water, c + n)
+        if c + n < request.num_tokens:
+            self.inflight_prefills[request.request_id] = request
+        else:
+            self.inflight_prefills.pop(request.request_id, None)
 
     def _preempt(self, request: Request, events: StepEvents) -> None:
         self.kv.free(request)
+        self.inflight_prefills.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -402,6 +429,7 @@ class Scheduler:
             self.kv_holding.remove(request)
         self.finished_recving.discard(rid)
         self.failed_recving.discard(rid)
+        self.inflight_prefills.pop(rid, None)
         if was is RequestStatus.WAITING_FOR_REMOTE_KV and rid in self.async_loads:
             # The transfer may still write into these blocks: keep them until the
             # runner reports the load finished (as vLLM does), or a reallocated
