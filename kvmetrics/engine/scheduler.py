@@ -30,6 +30,7 @@ from kvmetrics.metrics.events import GaugeReadings, PoolSnapshot, StepEvents
 
 POLICIES = ("recompute", "fail")
 ACCOUNTINGS = ("unified", "historical")
+ASYNC_ADMISSIONS = ("live", "vllm")
 
 
 class ConfigError(ValueError):
@@ -50,6 +51,12 @@ class SchedulerConfig:
     #: "unified" counts events; "historical" keeps the old request fields and
     #: formulas so the old negative increments can be reproduced on purpose.
     accounting: str = "unified"
+    #: How an async load's admission reserves blocks for prefills in flight.
+    #: ``live`` (default): for the *other* prefills only, and a request whose async
+    #: load failed in every block stops reserving until it is admitted again.
+    #: ``vllm``: exactly vLLM 0.33, where such a request keeps reserving for itself
+    #: at the head of the queue and can stall the engine for good (docs/vllm.md).
+    async_admission: str = "live"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -62,6 +69,9 @@ class SchedulerConfig:
         if self.kv_load_failure_policy not in POLICIES:
             raise ConfigError(f"kv_load_failure_policy must be one of {POLICIES}, "
                               f"got {self.kv_load_failure_policy!r}")
+        if self.async_admission not in ASYNC_ADMISSIONS:
+            raise ConfigError(f"async_admission must be one of {ASYNC_ADMISSIONS}, "
+                              f"got {self.async_admission!r}")
         if self.accounting not in ACCOUNTINGS:
             raise ConfigError(f"accounting must be one of {ACCOUNTINGS}, "
                               f"got {self.accounting!r}")
@@ -257,6 +267,9 @@ class Scheduler:
     def _reserved_blocks(self, admitting: Request) -> int:
         """Blocks other in-flight prefills still need (a request never waits on itself)."""
         limit = self.config.max_model_len
+        if self.config.async_admission == "vllm":
+            return sum(self.kv.remaining_blocks(r, limit)
+                       for r in self.inflight_prefills.values())
         return sum(self.kv.remaining_blocks(r, limit) for r in self.inflight_prefills.values()
                    if r is not admitting)
 
@@ -270,7 +283,8 @@ class Scheduler:
                 self.kv.cache_blocks(request, request.num_computed_tokens)
             else:
                 self.kv.free(request)
-                self.inflight_prefills.pop(rid, None)
+                if self.config.async_admission == "live":
+                    self.inflight_prefills.pop(rid, None)
         else:
             self.kv.cache_blocks(request, request.num_computed_tokens)
         if request.num_computed_tokens == request.num_tokens:

@@ -126,7 +126,8 @@ def build_vllm_config(
         cache_config=cache_config,
         kv_transfer_config=kv_transfer,
         device_config=DeviceConfig("cpu"),
-        additional_config={"kvmetrics": dict(kvmetrics_settings)} if kvmetrics_settings else {},
+        additional_config=({"kvmetrics": dict(kvmetrics_settings)}
+                           if kvmetrics_settings is not None else {}),
     )
     vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks
     return vllm_config

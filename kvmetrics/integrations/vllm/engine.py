@@ -1,0 +1,177 @@
+"""Drive vLLM's real scheduler with kvmetrics requests, runners and fault plans.
+
+:class:`VllmEngine` has the surface of the reference engine's loop
+(:class:`kvmetrics.engine.loop.EngineLoop` around
+:class:`kvmetrics.engine.scheduler.Scheduler`): ``add_request``, ``abort``,
+``step``, ``busy``, ``run``, ``drain_events``. Request ids are kept verbatim and
+steps are numbered the same way, so a fault plan keyed by (step, request id,
+block index) makes the same decisions on both engines.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request as VllmRequest
+
+from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.engine.request import Request
+from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.integrations.vllm import builder
+from kvmetrics.integrations.vllm.connector import register_store, unregister_store
+from kvmetrics.integrations.vllm.recorder import FINISH_REASONS
+from kvmetrics.integrations.vllm.runner import ModelRunner, StepRecord, VllmRunnerAdapter
+from kvmetrics.metrics.events import StepEvents
+from kvmetrics.metrics.pipeline import MetricsPipeline
+
+_store_keys = itertools.count()
+
+class VllmEngine:
+    """vLLM's scheduler (instrumented by default) plus a kvmetrics model runner.
+
+    With ``store`` the built-in connector is configured (``load_mode`` sync,
+    async or mixed) and shares that store with the runner. With ``pipeline``
+    every completed step's events are recorded into it; otherwise they wait for
+    :meth:`drain_events`. ``keep_records`` keeps each step's outputs for tests.
+    ``kvmetrics_settings`` (see :mod:`kvmetrics.integrations.vllm.exporting`) lets
+    the scheduler export by itself, as under ``vllm serve``; by default it does not.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        runner: ModelRunner,
+        *,
+        store: ExternalStoreIndex | None = None,
+        load_mode: str = "sync",
+        seed: int = 0,
+        scheduler_cls: str | type | None = builder.INSTRUMENTED,
+        pipeline: MetricsPipeline | None = None,
+        reserve_full_prompt: bool | None = None,
+        keep_records: bool = False,
+        kvmetrics_settings: dict[str, Any] | None = None,
+    ) -> None:
+        if config.accounting != "unified":
+            raise ValueError("vLLM only has the unified accounting")
+        self.config = config
+        self.pipeline = pipeline
+        self._store_key: str | None = None
+        connector = None
+        if store is not None:
+            self._store_key = f"vllm-engine-{next(_store_keys)}"
+            register_store(self._store_key, store)
+            connector = builder.ConnectorSpec(
+                extra={"store_key": self._store_key, "load_mode": load_mode, "seed": seed})
+        self.scheduler = builder.build_scheduler(
+            config, scheduler_cls=scheduler_cls, connector=connector,
+            reserve_full_prompt=reserve_full_prompt,
+            kvmetrics_settings={"export": False} if kvmetrics_settings is None
+            else kvmetrics_settings)
+        self.hasher = builder.block_hasher_for(self.scheduler.vllm_config)
+        self.adapter = VllmRunnerAdapter(runner, config.block_size)
+        self.records: list[StepRecord] | None = [] if keep_records else None
+        self.requests: dict[str, VllmRequest] = {}
+        self._arrival = itertools.count()
+        self.on_step: Callable[[StepRecord], None] | None = None
+
+    # -- requests --------------------------------------------------------------------
+
+    def to_vllm_request(self, request: Request) -> VllmRequest:
+        """The same request for vLLM: same id, tokens, length limit and stop token."""
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0)
+        if request.eos_token_id is not None:
+            params.update_from_generation_config({}, eos_token_id=request.eos_token_id)
+        return VllmRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.token_ids(0, request.num_prompt_tokens),
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=float(next(self._arrival)),
+            cache_salt=request.cache_salt,
+            block_hasher=self.hasher,
+        )
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens < 1:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_prompt_tokens + request.max_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} needs {request.num_prompt_tokens} prompt + "
+                f"{request.max_tokens} output tokens, more than max_model_len "
+                f"{self.config.max_model_len}")
+        # As the reference engine: a request that can never fit would spin the loop forever.
+        bs = self.config.block_size
+        need = -(-(request.num_prompt_tokens + request.max_tokens - 1) // bs)
+        if need > self.config.num_gpu_blocks - 1:
+            raise ValueError(
+                f"request {request.request_id!r} needs up to {need} KV blocks of {bs} tokens, "
+                f"more than the {self.config.num_gpu_blocks - 1} usable blocks of the cache")
+        vreq = self.to_vllm_request(request)
+        self.requests[request.request_id] = vreq
+        self.scheduler.add_request(vreq)
+
+    def abort(self, request_id: str) -> bool:
+        from vllm.v1.request import RequestStatus
+
+        done = self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+        return bool(done)
+
+    def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+        """vLLM's block hashes of a prompt (e.g. to warm the external store)."""
+        probe = VllmRequest(request_id="kvmetrics-probe", prompt_token_ids=list(token_ids),
+                            sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                            block_hasher=self.hasher)
+        return list(probe.block_hashes)
+
+    def outcome(self, request_id: str) -> tuple[str | None, list[int]]:
+        """Finish reason (reference names) and output tokens of a request."""
+        vreq = self.requests[request_id]
+        reason = FINISH_REASONS.get(vreq.status.name) if vreq.is_finished() else None
+        return reason, list(vreq.output_token_ids)
+
+    # -- loop ------------------------------------------------------------------------
+
+    def step(self) -> StepRecord:
+        sched = self.scheduler
+        out = sched.schedule()
+        record = self.adapter.execute(out, sched)
+        merge = getattr(sched, "kvmetrics_merge", None)
+        if merge is not None:
+            merge(record.result.events)
+        sched.update_from_output(out, record.vllm_result)
+        if self.pipeline is not None:
+            for events in self.drain_events():
+                self.pipeline.record(events)
+        if self.records is not None:
+            self.records.append(record)
+        if self.on_step is not None:
+            self.on_step(record)
+        return record
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self.adapter.has_pending_work
+
+    def run(self, max_steps: int = 1_000_000) -> int:
+        """Step until every request finished; returns the steps taken."""
+        steps = 0
+        while self.busy():
+            if steps >= max_steps:
+                raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+            self.step()
+            steps += 1
+        return steps
+
+    def drain_events(self) -> list[StepEvents]:
+        drain = getattr(self.scheduler, "drain_events", None)
+        return drain() if drain is not None else []
+
+    def close(self) -> None:
+        if self._store_key is not None:
+            unregister_store(self._store_key)
+            self._store_key = None
+        self.scheduler.shutdown()

@@ -1,0 +1,172 @@
+"""Where the instrumented scheduler's metrics go, configured without touching vLLM's CLI.
+
+The scheduler runs in vLLM's EngineCore process, not in the API server that serves
+vLLM's own ``/metrics``, so by default it serves its own scrape endpoint. Settings
+come from environment variables (inherited by EngineCore processes) and can be
+overridden per engine with ``--additional-config '{"kvmetrics": {...}}'``:
+
+==========================  ==================  ==================================
+env var                     additional_config   meaning
+==========================  ==================  ==================================
+KVMETRICS_METRICS_ADDR      metrics_addr        HOST:PORT to serve (default
+                                                127.0.0.1:9401; ``off`` disables;
+                                                data-parallel rank r serves PORT+r)
+KVMETRICS_MODEL_NAME        model_name          ``model_name`` label (default: the
+                                                served model name)
+KVMETRICS_ENGINE            engine              ``engine`` label (default: the
+                                                data-parallel index)
+KVMETRICS_STRICT            strict              raise on counter violations (tests)
+KVMETRICS_OTLP_ENDPOINT     otlp_endpoint       also push OTLP/HTTP to this URL
+KVMETRICS_EXPORT            export              ``0``: build no pipeline at all; the
+                                                owner drains the step events
+==========================  ==================  ==================================
+
+With ``PROMETHEUS_MULTIPROC_DIR`` set the values are written to that shared
+directory instead (the one vLLM's API server reads when it is set before
+``vllm serve`` starts), and no endpoint of our own is started unless
+``KVMETRICS_METRICS_ADDR`` is given explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmetrics.exporters.prometheus import (
+    MetricsServer,
+    PrometheusSink,
+    multiprocess_dir,
+    parse_host_port,
+    serve,
+)
+from kvmetrics.metrics.pipeline import MetricsPipeline
+from kvmetrics.metrics.sink import MetricSink
+
+log = logging.getLogger("kvmetrics.vllm")
+
+DEFAULT_METRICS_ADDR = "127.0.0.1:9401"
+_OFF = ("", "off", "none", "0", "false", "no")
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass
+class ExportSettings:
+    metrics_addr: str | None = DEFAULT_METRICS_ADDR
+    model_name: str = "default"
+    engine: str = "0"
+    #: Data-parallel index: added to the endpoint's port.
+    port_offset: int = 0
+    strict: bool = False
+    otlp_endpoint: str | None = None
+    export: bool = True
+    extra_sinks: list[MetricSink] = field(default_factory=list)
+
+
+def _flag(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() in _TRUE
+
+
+def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> ExportSettings:
+    """Export settings of one engine: env vars, then additional_config overrides."""
+    env = os.environ if env is None else env
+    dp_index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+    model = vllm_config.model_config
+    served = model.served_model_name
+    if isinstance(served, list | tuple):
+        served = served[0] if served else None
+    values: dict[str, Any] = {
+        "metrics_addr": env.get("KVMETRICS_METRICS_ADDR"),
+        "model_name": env.get("KVMETRICS_MODEL_NAME") or served or model.model,
+        "engine": env.get("KVMETRICS_ENGINE") or str(dp_index),
+        "strict": env.get("KVMETRICS_STRICT", "0"),
+        "otlp_endpoint": env.get("KVMETRICS_OTLP_ENDPOINT") or None,
+        "export": env.get("KVMETRICS_EXPORT", "1"),
+    }
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and isinstance(extra.get("kvmetrics"), dict):
+        values.update({k: v for k, v in extra["kvmetrics"].items() if k in values})
+    addr = values["metrics_addr"]
+    if addr is None:
+        addr = None if multiprocess_dir() else DEFAULT_METRICS_ADDR
+    elif str(addr).strip().lower() in _OFF:
+        addr = None
+    return ExportSettings(
+        metrics_addr=addr,
+        model_name=str(values["model_name"]),
+        engine=str(values["engine"]),
+        port_offset=dp_index,
+        strict=_flag(values["strict"]),
+        otlp_endpoint=values["otlp_endpoint"] or None,
+        export=_flag(values["export"]),
+    )
+
+
+@dataclass
+class Exporter:
+    """The pipeline of one engine plus what must be shut down with it."""
+
+    pipeline: MetricsPipeline
+    prometheus: PrometheusSink
+    server: MetricsServer | None = None
+    otel_provider: Any = None
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            try:
+                self.server.stop()
+            except Exception:
+                log.exception("kvmetrics: stopping the metrics endpoint failed")
+            self.server = None
+        if self.otel_provider is not None:
+            try:
+                self.otel_provider.shutdown()
+            except Exception:
+                log.exception("kvmetrics: stopping the OTLP exporter failed")
+            self.otel_provider = None
+
+
+def endpoint_for(settings: ExportSettings) -> tuple[str, int] | None:
+    """Host and port to serve; port 0 (any free port) gets no data-parallel offset."""
+    if settings.metrics_addr is None:
+        return None
+    host, port = parse_host_port(settings.metrics_addr)
+    if port:
+        port += settings.port_offset
+    return host, port
+
+
+def build_exporter(settings: ExportSettings) -> Exporter:
+    """A pipeline with a Prometheus sink (own registry), its endpoint and OTLP if asked.
+
+    A busy port or an unreachable collector is logged, never raised: the engine
+    must come up even if its metrics cannot be exported.
+    """
+    sink = PrometheusSink()
+    sinks: list[MetricSink] = [sink, *settings.extra_sinks]
+    provider = None
+    if settings.otlp_endpoint:
+        try:
+            from kvmetrics.exporters.otel import make_provider, otlp_reader, sink_for
+
+            provider = make_provider([otlp_reader(settings.otlp_endpoint)],
+                                     model_name=settings.model_name, engine=settings.engine,
+                                     engine_kind="vllm")
+            sinks.append(sink_for(provider))
+        except Exception:
+            log.exception("kvmetrics: OTLP export to %s disabled", settings.otlp_endpoint)
+    pipeline = MetricsPipeline(sinks, model_name=settings.model_name, engine=settings.engine,
+                               engine_kind="vllm", strict=settings.strict)
+    exporter = Exporter(pipeline, sink, otel_provider=provider)
+    try:
+        where = endpoint_for(settings)
+        if where is not None:
+            exporter.server = serve(sink.serving_registry(), *where)
+            log.info("kvmetrics: serving metrics on http://%s:%d/metrics",
+                     exporter.server.host, exporter.server.port)
+    except Exception:
+        log.exception("kvmetrics: cannot serve metrics on %s; continuing without an endpoint",
+                      settings.metrics_addr)
+    return exporter

@@ -1,0 +1,189 @@
+"""Step events from what vLLM's scheduler did, counted at the moment it did it.
+
+The recorder holds the little per-request state the reference engine keeps on
+its own requests (high-water mark of computed tokens, where its last failed
+load left off, lookups done, whether prefill stats were recorded) and the loads in
+flight. It is fed by the hooks in :mod:`kvmetrics.integrations.vllm.scheduler`,
+each with values read at one instant, so no increment is ever a difference of
+request fields updated at different times. Semantics follow
+:mod:`kvmetrics.engine.scheduler` and :mod:`kvmetrics.engine.recovery` exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmetrics.metrics.events import StepEvents
+
+#: vLLM finish statuses (by name) to the catalogue's finish reasons.
+FINISH_REASONS = {
+    "FINISHED_STOPPED": "stopped",
+    "FINISHED_LENGTH_CAPPED": "length",
+    "FINISHED_ABORTED": "aborted",
+    "FINISHED_IGNORED": "length",
+    "FINISHED_ERROR": "error",
+    "FINISHED_REPETITION": "stopped",
+}
+
+
+@dataclass
+class RequestTrack:
+    """What the metrics need to remember about one live request."""
+
+    high_water: int = 0
+    #: Recomputed tokens below this mark are blamed on a failed load (the computed
+    #: count just before the last rollback); above it, on preemption.
+    kv_failure_until: int = 0
+    lookups: int = 0
+    prefill_recorded: bool = False
+    #: External tokens of the allocation that just succeeded (until its lookup is recorded).
+    pending_ext: int = 0
+    pending_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class AsyncLoad:
+    block_ids: frozenset[int]
+    failed: set[int] = field(default_factory=set)
+
+
+class StepRecorder:
+    """Accumulates one step's events; the scheduler flushes them after each output."""
+
+    def __init__(self, block_size: int, policy: str, has_connector: bool) -> None:
+        self.block_size = block_size
+        self.policy = policy
+        self.has_connector = has_connector
+        self.requests: dict[str, RequestTrack] = {}
+        self.events = StepEvents(step=1)
+        self.evictions: dict[str, int] = {"capacity": 0, "kv_load_failure": 0, "reset": 0}
+        self.evict_cause = "capacity"
+        #: Loads whose mode is known only once schedule() returns: (rid, block ids).
+        self.new_loads: list[tuple[str, list[int]]] = []
+        #: Sync loads by the scheduler output that carries them.
+        self.sync_loads: dict[int, list[list[int]]] = {}
+        self.async_loads: dict[str, AsyncLoad] = {}
+
+    def track(self, request_id: str) -> RequestTrack:
+        track = self.requests.get(request_id)
+        if track is None:
+            track = self.requests[request_id] = RequestTrack()
+        return track
+
+    # -- admission ------------------------------------------------------------------
+
+    def allocated(self, request_id: str, block_ids: list[int], num_external: int) -> None:
+        track = self.track(request_id)
+        track.pending_ext = num_external
+        track.pending_block_ids = block_ids
+
+    def lookup(self, request_id: str, num_tokens: int, num_prompt_tokens: int,
+               num_preemptions: int, local_hit: int) -> None:
+        """A prefix lookup whose allocation succeeded (reference: ``_record_lookup``)."""
+        track = self.track(request_id)
+        ext = track.pending_ext if self.has_connector else 0
+        block_ids, track.pending_ext, track.pending_block_ids = track.pending_block_ids, 0, []
+        admission = "first" if track.lookups == 0 else "repeat"
+        track.lookups += 1
+        ev = self.events
+        ev.prefix_lookup("local", admission, num_tokens, local_hit, request_id)
+        if self.has_connector:
+            ev.prefix_lookup("external", admission, num_tokens - local_hit, ext, request_id)
+        if not track.prefill_recorded and num_preemptions == 0:
+            track.prefill_recorded = True
+            ev.prompt_tokens("compute", num_prompt_tokens - local_hit - ext, request_id)
+            ev.prompt_tokens("local_cache", local_hit, request_id)
+            ev.prompt_tokens("external", ext, request_id)
+        if ext > 0:
+            bs = self.block_size
+            first, end = local_hit // bs, -(-(local_hit + ext) // bs)
+            self.new_loads.append((request_id, block_ids[first:end]))
+
+    def scheduled(self, output_key: int, computed_before: dict[str, int],
+                  num_scheduled: dict[str, int], async_admitted: dict[str, int]) -> None:
+        """Close a schedule() call: recomputed tokens, load modes, high-water marks.
+
+        ``async_admitted`` maps requests now waiting for an async load to their
+        computed count (local + external hit), which raises their high-water mark
+        exactly as the reference does at admission.
+        """
+        sync: list[list[int]] = []
+        for rid, block_ids in self.new_loads:
+            if rid in async_admitted:
+                self.async_loads[rid] = AsyncLoad(frozenset(block_ids))
+            else:
+                sync.append(block_ids)
+        self.new_loads = []
+        if sync:
+            self.sync_loads[output_key] = sync
+        for rid, computed in async_admitted.items():
+            track = self.track(rid)
+            track.high_water = max(track.high_water, computed)
+        for rid, n in num_scheduled.items():
+            c = computed_before.get(rid)
+            if c is None:
+                continue
+            track = self.track(rid)
+            redo_end = min(c + n, track.high_water)
+            if redo_end > c:
+                split = min(max(track.kv_failure_until, c), redo_end)
+                self.events.recomputed("kv_load_failure", split - c, rid)
+                self.events.recomputed("preemption", redo_end - split, rid)
+            track.high_water = max(track.high_water, c + n)
+
+    # -- output ---------------------------------------------------------------------
+
+    def loads_done(self, output_key: int, invalid: set[int], finished_recving: set[str]) -> None:
+        """Count load outcomes (reference: ``_count_loads``)."""
+        ev = self.events
+        for block_ids in self.sync_loads.pop(output_key, ()):
+            failed = sum(1 for b in block_ids if b in invalid)
+            ev.loaded_blocks("sync", len(block_ids) - failed, failed)
+        if invalid:
+            for load in self.async_loads.values():
+                load.failed.update(load.block_ids & invalid)
+        for rid in finished_recving:
+            load = self.async_loads.pop(rid, None)
+            if load is not None:
+                failed = len(load.failed)
+                ev.loaded_blocks("async", len(load.block_ids) - failed, failed)
+
+    def rolled_back(self, mode: str, request_id: str, before: int, after: int,
+                    num_scheduled: int) -> None:
+        """One request truncated by the recovery path (reference: ``_truncate``)."""
+        ev = self.events
+        ev.rolled_back(mode, self.policy, request_id, before, after)
+        action = "failed" if self.policy == "fail" else "rescheduled"
+        ev.failed_load_request(mode, self.policy, action, request_id)
+        if mode == "sync":
+            ev.discarded_tokens += num_scheduled
+        self.track(request_id).kv_failure_until = before + num_scheduled
+
+    def preempted(self, request_id: str) -> None:
+        self.events.preempted(request_id)
+        self.track(request_id).kv_failure_until = 0
+
+    def finished(self, request_id: str, status_name: str) -> None:
+        self.events.finished(FINISH_REASONS.get(status_name, "stopped"), request_id)
+        self.requests.pop(request_id, None)
+        self.new_loads = [(r, b) for r, b in self.new_loads if r != request_id]
+
+    def evicted(self, n: int = 1, cause: str | None = None) -> None:
+        self.evictions[cause or self.evict_cause] += n
+
+    def set_evict_cause(self, cause: str) -> None:
+        self.evict_cause = cause
+
+    def merge_events(self, events: StepEvents) -> None:
+        self.events.merge(events)
+
+    def take_step(self, step: int) -> StepEvents:
+        """The finished step's events; a fresh accumulator starts for the next one."""
+        events = self.events
+        events.step = step
+        for cause, n in self.evictions.items():
+            if n:
+                events.evicted(cause, n)
+                self.evictions[cause] = 0
+        self.events = StepEvents(step=step + 1)
+        return events

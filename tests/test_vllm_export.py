@@ -1,0 +1,164 @@
+"""The instrumented scheduler's own export: endpoint, settings, promtool, fault handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from kvmetrics.engine.executor import SimulatedExecutor
+from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
+from kvmetrics.engine.request import Request
+from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.engine.tokens import ExplicitTokens
+from kvmetrics.integrations.vllm import builder
+from kvmetrics.integrations.vllm.engine import VllmEngine
+from kvmetrics.integrations.vllm.exporting import (
+    DEFAULT_METRICS_ADDR,
+    endpoint_for,
+    settings_for,
+)
+from kvmetrics.metrics import catalogue as cat
+from kvmetrics.metrics.events import StepEvents
+from kvmetrics.metrics.guard import CounterViolationError
+
+PROMPT = list(range(1000, 1064))
+CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,
+                         max_num_batched_tokens=256, max_model_len=512)
+
+
+def failing_engine(settings: dict) -> VllmEngine:
+    """The foundation scenario (block #1 of a 48-token sync load fails), exporting itself."""
+    store = ExternalStoreIndex(16)
+    engine = VllmEngine(CONFIG, SimulatedExecutor(FaultPlan(scripted=(ScriptedFailure(1),)),
+                                                  store),
+                        store=store, kvmetrics_settings=settings)
+    for h in engine.block_hashes(PROMPT)[:3]:
+        store.insert(h)
+    engine.add_request(Request("r", ExplicitTokens(PROMPT), 4))
+    return engine
+
+
+def test_scrape_page_passes_promtool_and_binds_loopback() -> None:
+    engine = failing_engine({"metrics_addr": "127.0.0.1:0", "model_name": "opt-test"})
+    exporter = engine.scheduler.kvmetrics_exporter
+    try:
+        assert exporter.server is not None
+        assert exporter.server.host == "127.0.0.1"
+        engine.run()
+        url = f"http://127.0.0.1:{exporter.server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            page = resp.read()
+    finally:
+        engine.close()
+    assert exporter.server is None  # scheduler.shutdown() stopped the endpoint
+    text = page.decode()
+    assert ('kvmetrics_rolled_back_tokens_total{engine="0",mode="sync",model_name="opt-test",'
+            'policy="recompute"} 32.0') in text
+    assert 'kvmetrics_recomputed_tokens_total{cause="kv_load_failure",engine="0"' in text
+    assert 'engine_kind="vllm"' in text
+    check = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True,
+                           timeout=60)
+    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+
+
+def _vllm_config(dp_index: int = 0, extra: dict | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_index=dp_index),
+        model_config=SimpleNamespace(served_model_name=None, model="/models/opt"),
+        additional_config={"kvmetrics": extra} if extra else {})
+
+
+def test_settings_defaults_env_and_additional_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    s = settings_for(_vllm_config(), env={})
+    assert s.metrics_addr == DEFAULT_METRICS_ADDR == "127.0.0.1:9401"
+    assert (s.model_name, s.engine, s.strict, s.export) == ("/models/opt", "0", False, True)
+    assert endpoint_for(s) == ("127.0.0.1", 9401)
+    # Data parallel: rank r serves base + r and labels itself engine=r.
+    s = settings_for(_vllm_config(dp_index=3), env={"KVMETRICS_METRICS_ADDR": "0.0.0.0:9500"})
+    assert endpoint_for(s) == ("0.0.0.0", 9503) and s.engine == "3"
+    env = {"KVMETRICS_MODEL_NAME": "m", "KVMETRICS_ENGINE": "e7", "KVMETRICS_STRICT": "1",
+           "KVMETRICS_OTLP_ENDPOINT": "http://127.0.0.1:4318", "KVMETRICS_METRICS_ADDR": "off"}
+    s = settings_for(_vllm_config(), env=env)
+    assert (s.model_name, s.engine, s.strict, s.otlp_endpoint, s.metrics_addr) == \
+        ("m", "e7", True, "http://127.0.0.1:4318", None)
+    s = settings_for(_vllm_config(extra={"engine": "x", "strict": False}), env=env)
+    assert (s.engine, s.strict) == ("x", False)
+    # A shared multiprocess directory: no endpoint of our own unless asked for.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")
+    assert settings_for(_vllm_config(), env={}).metrics_addr is None
+
+
+def test_metric_faults_never_reach_vllm() -> None:
+    engine = failing_engine({"metrics_addr": "off"})
+    sched = engine.scheduler
+    pipeline = sched.kvmetrics_pipeline
+
+    class Broken:
+        def __getattr__(self, name: str):
+            raise RuntimeError("kvmetrics is broken")
+
+    pipeline.add_sink(Broken())  # an exporter that raises on every call
+    bad = StepEvents(step=0)
+    bad.count(cat.ROLLED_BACK_TOKENS, -5, "sync", "recompute", request_id="r")
+    sched.kvmetrics_merge(bad)
+    engine.step()  # the recovery step: counted, the negative increment refused
+    assert [v.kind for v in pipeline.violations] == ["negative"]
+    assert pipeline.totals.get(cat.COUNTER_VIOLATIONS, kind="negative") == 1
+    assert pipeline.totals.get(cat.ROLLED_BACK_TOKENS) == 32
+    sched._kv = Broken()  # from now on every hook faults inside kvmetrics
+    engine.run()
+    engine.close()
+    assert engine.outcome("r")[0] == "length"  # vLLM carried on regardless
+
+
+def test_strict_mode_raises_counter_violations() -> None:
+    engine = failing_engine({"metrics_addr": "off", "strict": True})
+    bad = StepEvents(step=0)
+    bad.count(cat.ROLLED_BACK_TOKENS, -5, "sync", "recompute", request_id="r")
+    engine.scheduler.kvmetrics_merge(bad)
+    with pytest.raises(CounterViolationError, match="negative"):
+        engine.step()
+    engine.close()
+
+
+def test_multiprocess_dir_is_shared_with_vllms_api_server(tmp_path) -> None:
+    """With PROMETHEUS_MULTIPROC_DIR the values land where vLLM's /metrics reads them."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        from test_vllm_export import failing_engine
+        engine = failing_engine({{}})
+        assert engine.scheduler.kvmetrics_exporter.server is None
+        engine.run()
+        engine.close()
+    """)
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path), VLLM_TARGET_DEVICE="cpu",
+               HF_HUB_OFFLINE="1")
+    env.pop("KVMETRICS_METRICS_ADDR", None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(tmp_path))
+    page = generate_latest(registry).decode()
+    assert 'kvmetrics_rolled_back_tokens_total{engine="0"' in page
+    assert json.dumps("recompute") in page
+
+
+def test_builder_accepts_the_scheduler_cls_path() -> None:
+    sched = builder.build_scheduler(CONFIG, scheduler_cls=builder.INSTRUMENTED_ASYNC,
+                                    kvmetrics_settings={"export": False})
+    assert type(sched).__name__ == "InstrumentedAsyncScheduler"
+    assert sched.kvmetrics_pipeline is None
+    sched.shutdown()
