@@ -121,7 +121,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from kvmetrics.engine.faults import FaultPlanError
     from kvmetrics.kv_errors import is_verification_error
     from kvmetrics.lab.config import LabConfig, LabError
-    from kvmetrics.lab.runner import run_lab
+    from kvmetrics.lab.runner import EngineStalled, run_lab
     from kvmetrics.lab.summary import render_table
     from kvmetrics.lab.traces import TraceError
     from kvmetrics.metrics.guard import CounterViolationError
@@ -148,6 +148,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return _fail(str(e))
     except CounterViolationError as e:
         print(f"kvmetrics: strict mode: {e}", file=sys.stderr)
+        return 1
+    except EngineStalled as e:
+        print(f"kvmetrics: {e}", file=sys.stderr)
         return 1
     except Exception as e:
         if is_verification_error(e):

@@ -31,9 +31,13 @@ class LabEngine(Protocol):
 
     def abort(self, request_id: str) -> bool: ...
 
-    def step(self) -> None: ...
+    def step(self) -> int:
+        """Run one step; returns the tokens it scheduled (0 while only waiting)."""
+        ...
 
     def busy(self) -> bool: ...
+
+    def close(self) -> None: ...
 
     def drain_events(self) -> list[StepEvents]: ...
 
@@ -81,11 +85,14 @@ class ReferenceEngine:
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
 
-    def step(self) -> None:
-        self.loop.step()
+    def step(self) -> int:
+        return self.loop.step().total_num_scheduled_tokens
 
     def busy(self) -> bool:
         return self.loop.busy()
+
+    def close(self) -> None:
+        pass
 
     def drain_events(self) -> list[StepEvents]:
         return self.scheduler.drain_events()

@@ -24,6 +24,15 @@ from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = logging.getLogger("kvmetrics.lab")
 
+#: Consecutive steps that schedule nothing while requests wait before a run is
+#: declared stalled (async loads complete within a few steps; vLLM 0.33 can stall
+#: for good, see docs/vllm.md).
+STALL_STEPS = 1000
+
+
+class EngineStalled(RuntimeError):
+    """The engine stopped making progress with requests still unfinished."""
+
 
 @dataclass
 class LabResult:
@@ -110,6 +119,7 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None) -> LabResult:
     try:
         return _drive(cfg, items, instrumented, engine, pipeline, prometheus, server)
     finally:
+        engine.close()
         if provider is not None:
             provider.shutdown()
         if server is not None:
@@ -127,6 +137,7 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
     clock = 0  # virtual step, advanced by executed and skipped steps
     executed = 0
     arrived = 0
+    idle = 0
     while pending or engine.busy():
         if pending and not engine.busy():
             clock = max(clock, int(pending[0].arrival_s / cfg.step_seconds))
@@ -143,7 +154,13 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
             lag = start + executed * cfg.step_seconds - time.monotonic()
             if lag > 0:
                 time.sleep(lag)
-        engine.step()
+        if engine.step() or not engine.busy():
+            idle = 0
+        else:
+            idle += 1
+            if idle > STALL_STEPS and not _arrivals_due(pending, clock, cfg):
+                raise EngineStalled(f"the {engine.kind} engine stalled: {idle} steps in a row "
+                               f"scheduled nothing with requests unfinished (step {executed})")
         instrumented.flush()
         clock += 1
         executed += 1
@@ -158,6 +175,10 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
         log.info("run finished; serving metrics for %.1f more seconds", cfg.linger)
         time.sleep(cfg.linger)
     return LabResult(summary, pipeline, prometheus, engine.findings)
+
+
+def _arrivals_due(pending: deque[WorkItem], clock: int, cfg: LabConfig) -> bool:
+    return bool(pending) and int(pending[0].arrival_s / cfg.step_seconds) <= clock + 1
 
 
 def _unfinished(engine: Any) -> int:

@@ -1,0 +1,56 @@
+"""The lab's ``--engine vllm``: vLLM's real scheduler driven by the lab's data plane."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.engine.faults import FaultPlan
+from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.integrations.vllm.engine import VllmEngine
+from kvmetrics.lab.config import LabConfig, LabError
+from kvmetrics.lab.engines import make_request, make_runner
+from kvmetrics.lab.workload import WorkItem
+from kvmetrics.metrics.events import StepEvents
+
+
+class VllmLabEngine:
+    kind = "vllm"
+
+    def __init__(self, cfg: LabConfig, sched_cfg: SchedulerConfig, faults: FaultPlan) -> None:
+        if cfg.accounting != "unified":
+            raise LabError("--accounting historical needs --engine reference "
+                           "(vLLM 0.33 only has the unified accounting)")
+        capacity = cfg.store_capacity
+        self.store = ExternalStoreIndex(capacity) if capacity else None
+        self.runner = make_runner(cfg, faults, self.store, self._tokens)
+        self.engine = VllmEngine(sched_cfg, self.runner, store=self.store,
+                                 load_mode=cfg.fault_mode, seed=cfg.seed)
+
+    def _tokens(self, request_id: str, start: int, end: int) -> list[int]:
+        return list(self.engine.requests[request_id].all_token_ids[start:end])
+
+    def add(self, item: WorkItem, max_tokens: int | None) -> None:
+        self.engine.add_request(make_request(item, max_tokens))
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def step(self) -> int:
+        return self.engine.step().output.total_num_scheduled_tokens
+
+    def busy(self) -> bool:
+        return self.engine.busy()
+
+    def drain_events(self) -> list[StepEvents]:
+        return self.engine.drain_events()
+
+    def num_unfinished(self) -> int:
+        return self.engine.scheduler.get_num_unfinished_requests()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    @property
+    def findings(self) -> list[Any]:
+        return list(getattr(self.runner, "findings", []))
