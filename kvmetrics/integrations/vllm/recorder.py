@@ -11,6 +11,7 @@ request fields updated at different times. Semantics follow
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmetrics.metrics.events import StepEvents
@@ -30,6 +31,9 @@ FINISH_REASONS = {
 class RequestTrack:
     """What the metrics need to remember about one live request."""
 
+    #: Highest computed count at the moment tokens were thrown away (preemption or
+    #: rollback): scheduled tokens below it are recomputed. Kept only while it is
+    #: ahead, so the per-step cost is proportional to requests still recomputing.
     high_water: int = 0
     #: Recomputed tokens below this mark are blamed on a failed load (the computed
     #: count just before the last rollback); above it, on preemption.
@@ -63,6 +67,8 @@ class StepRecorder:
         #: Sync loads by the scheduler output that carries them.
         self.sync_loads: dict[int, list[list[int]]] = {}
         self.async_loads: dict[str, AsyncLoad] = {}
+        #: Requests whose scheduled tokens may be recomputations (high-water ahead).
+        self.redo: dict[str, RequestTrack] = {}
 
     def track(self, request_id: str) -> RequestTrack:
         track = self.requests.get(request_id)
@@ -99,13 +105,13 @@ class StepRecorder:
             first, end = local_hit // bs, -(-(local_hit + ext) // bs)
             self.new_loads.append((request_id, block_ids[first:end]))
 
-    def scheduled(self, output_key: int, computed_before: dict[str, int],
-                  num_scheduled: dict[str, int], async_admitted: dict[str, int]) -> None:
-        """Close a schedule() call: recomputed tokens, load modes, high-water marks.
+    def scheduled(self, output_key: int, num_scheduled: dict[str, int],
+                  computed_after: Callable[[str], int], async_admitted: set[str]) -> None:
+        """Close a schedule() call: load modes, and tokens scheduled again.
 
-        ``async_admitted`` maps requests now waiting for an async load to their
-        computed count (local + external hit), which raises their high-water mark
-        exactly as the reference does at admission.
+        ``computed_after(rid)`` is a request's computed count after this schedule
+        (vLLM advances it by the scheduled tokens), so the count before is that minus
+        its scheduled tokens. Only requests with a high-water mark ahead are looked at.
         """
         sync: list[list[int]] = []
         for rid, block_ids in self.new_loads:
@@ -116,20 +122,21 @@ class StepRecorder:
         self.new_loads = []
         if sync:
             self.sync_loads[output_key] = sync
-        for rid, computed in async_admitted.items():
-            track = self.track(rid)
-            track.high_water = max(track.high_water, computed)
-        for rid, n in num_scheduled.items():
-            c = computed_before.get(rid)
-            if c is None:
+        if not self.redo:
+            return
+        for rid, track in list(self.redo.items()):
+            n = num_scheduled.get(rid)
+            if not n:
                 continue
-            track = self.track(rid)
-            redo_end = min(c + n, track.high_water)
+            end = computed_after(rid)
+            c = end - n
+            redo_end = min(end, track.high_water)
             if redo_end > c:
                 split = min(max(track.kv_failure_until, c), redo_end)
                 self.events.recomputed("kv_load_failure", split - c, rid)
                 self.events.recomputed("preemption", redo_end - split, rid)
-            track.high_water = max(track.high_water, c + n)
+            if end >= track.high_water:
+                del self.redo[rid]
 
     # -- output ---------------------------------------------------------------------
 
@@ -157,15 +164,22 @@ class StepRecorder:
         ev.failed_load_request(mode, self.policy, action, request_id)
         if mode == "sync":
             ev.discarded_tokens += num_scheduled
-        self.track(request_id).kv_failure_until = before + num_scheduled
+        track = self.track(request_id)
+        track.kv_failure_until = before + num_scheduled
+        track.high_water = max(track.high_water, before + num_scheduled)
+        self.redo[request_id] = track
 
-    def preempted(self, request_id: str) -> None:
+    def preempted(self, request_id: str, computed_before: int) -> None:
         self.events.preempted(request_id)
-        self.track(request_id).kv_failure_until = 0
+        track = self.track(request_id)
+        track.kv_failure_until = 0
+        track.high_water = max(track.high_water, computed_before)
+        self.redo[request_id] = track
 
     def finished(self, request_id: str, status_name: str) -> None:
         self.events.finished(FINISH_REASONS.get(status_name, "stopped"), request_id)
         self.requests.pop(request_id, None)
+        self.redo.pop(request_id, None)
         self.new_loads = [(r, b) for r, b in self.new_loads if r != request_id]
 
     def evicted(self, n: int = 1, cause: str | None = None) -> None:

@@ -44,8 +44,9 @@ from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = logging.getLogger("kvmetrics.vllm")
 
-#: Above this many blocks the O(blocks) pool audit runs only every POOL_AUDIT_EVERY steps.
-POOL_AUDIT_MAX_BLOCKS = 16384
+#: The pool audit walks every block (O(blocks)), so it runs every POOL_AUDIT_EVERY
+#: steps and on every step that ran the recovery path, keeping the decode-step cost
+#: of instrumentation negligible (see benchmarks/bench_vllm.py).
 POOL_AUDIT_EVERY = 100
 
 
@@ -183,23 +184,20 @@ class InstrumentedMixin:
     @_guarded
     def _kv_after_schedule(self, out: Any) -> None:
         me: Any = self
-        before: dict[str, int] = {}
-        for new in out.scheduled_new_reqs:
-            before[new.req_id] = new.num_computed_tokens
-        cached = out.scheduled_cached_reqs
-        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
-            before[rid] = computed
+        requests = me.requests
         waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
-        async_admitted = {}
+        async_admitted = set()
         for rid, _ in self._kv.new_loads:
-            request = me.requests.get(rid)
+            request = requests.get(rid)
             if request is not None and request.status == waiting:
-                async_admitted[rid] = request.num_computed_tokens
-        self._kv.scheduled(id(out), before, out.num_scheduled_tokens, async_admitted)
+                async_admitted.add(rid)
+        self._kv.scheduled(id(out), out.num_scheduled_tokens,
+                           lambda rid: requests[rid].num_computed_tokens, async_admitted)
 
     def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
+        computed = request.num_computed_tokens
         super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
-        self._kv_call_guarded("preempted", request.request_id)
+        self._kv_call_guarded("preempted", request.request_id, computed)
 
     def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
         self._kv_call_guarded("finished", request.request_id, request.status.name)
@@ -306,7 +304,7 @@ class InstrumentedMixin:
             waiting_for_remote_kv=remote,
         )
         pool = me.kv_cache_manager.block_pool
-        if pool.num_gpu_blocks > POOL_AUDIT_MAX_BLOCKS and self._kv_step % POOL_AUDIT_EVERY:
+        if self._kv_step % POOL_AUDIT_EVERY and events.recovery_seconds is None:
             return
         used = negative = 0
         for block in pool.blocks:
