@@ -239,6 +239,13 @@ class Scheduler:
             if self.kv.allocate_slots(request, n, local_blocks, ext,
                                       delay_cache_blocks=is_async,
                                       reserved_blocks=reserved) is None:
+                if reserved and queue is self.kv_holding \
+                        and self.config.async_admission == "live":
+                    # Refused for blocks held back for loads that may sit behind it in
+                    # this queue: stopping here would keep them from ever landing.
+                    queue.popleft()
+                    skipped_holding.append(request)
+                    continue
                 break
             queue.popleft()
             if looked_up:
