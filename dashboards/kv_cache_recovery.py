@@ -310,6 +310,16 @@ def exporter_health() -> Panels:
             steps=((None, "green"), (1, "yellow"), (5, "red")), width=6,
         ),
         p.time_series(
+            "Dropped series updates",
+            "Updates the exporter refused because they would create a series beyond its "
+            "family's cap or with a label value outside the catalogue. Any value means a "
+            "runaway label (e.g. a request id used as engine).",
+            "count:updates/s",
+            [(zero_if_absent(sum_rate(c.SERIES_OVERFLOW.name, by=("metric",)),
+                             sum_rate(_PROMPT)), "{{metric}}")],
+            steps=p.ANY_IS_BAD, width=6,
+        ),
+        p.time_series(
             "Samples per scrape",
             "Series exposed per target: a sudden rise means a label's cardinality grew.",
             p.COUNT,

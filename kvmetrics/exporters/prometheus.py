@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvmetrics.metrics.catalogue import ALL_METRICS, MetricSpec
+from kvmetrics.metrics.catalogue import ALL_METRICS, BY_NAME, SERIES_OVERFLOW, MetricSpec
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9400
@@ -39,10 +39,23 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
-class PrometheusSink:
-    """Implements :class:`kvmetrics.metrics.sink.MetricSink` with prometheus-client."""
+#: Label sets one family may grow to before new ones are dropped (and counted).
+#: Every catalogue label but model_name/engine is enumerable (about 50 sets per
+#: engine at most), so this only bites on a runaway model_name or engine value.
+DEFAULT_MAX_SERIES_PER_FAMILY = 4096
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+
+class PrometheusSink:
+    """Implements :class:`kvmetrics.metrics.sink.MetricSink` with prometheus-client.
+
+    A new series is admitted only if its label values are in the catalogue's sets
+    and its family is under ``max_series_per_family``; otherwise the update is
+    dropped and counted in ``kvmetrics_series_overflow_total{metric}``, so a bad
+    label can never grow the scrape page (or Prometheus) without bound.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 max_series_per_family: int = DEFAULT_MAX_SERIES_PER_FAMILY) -> None:
         self.multiprocess = multiprocess_dir() is not None
         if registry is None:
             registry = CollectorRegistry(auto_describe=True)
@@ -52,6 +65,8 @@ class PrometheusSink:
         for spec in ALL_METRICS:
             self._metrics[spec.name] = self._create(spec, target)
         self._children: dict[tuple[str, tuple[str, ...]], object] = {}
+        self._series: dict[str, int] = {}
+        self.max_series_per_family = max_series_per_family
 
     @staticmethod
     def _create(spec: MetricSpec, registry: CollectorRegistry | None):
@@ -69,20 +84,48 @@ class PrometheusSink:
         key = (spec.name, values)
         child = self._children.get(key)
         if child is None:
+            if not self._admit(spec, values):
+                return None
             child = self._children[key] = self._metrics[spec.name].labels(*values)
+            self._series[spec.name] = self._series.get(spec.name, 0) + 1
         return child
 
+    def _admit(self, spec: MetricSpec, values: tuple[str, ...]) -> bool:
+        """First sight of a label set: bounded values and room left in the family."""
+        common = len(values) - len(spec.labels) - len(spec.open_labels)
+        own = values[common:]
+        ok = all(v in allowed for v, allowed in zip(own, spec.labels.values(), strict=False))
+        if ok and spec.open_labels == ("metric",):
+            ok = own[-1] in BY_NAME
+        # The overflow counter itself may hold one series per family per label set.
+        cap = self.max_series_per_family * (len(ALL_METRICS) if spec is SERIES_OVERFLOW else 1)
+        if ok and self._series.get(spec.name, 0) < cap:
+            return True
+        if spec is not SERIES_OVERFLOW:
+            overflow = self._child(SERIES_OVERFLOW, values[:common] + (spec.name,))
+            if overflow is not None:
+                overflow.inc()
+        return False
+
     def inc(self, spec: MetricSpec, label_values: tuple[str, ...], amount: float) -> None:
-        self._child(spec, label_values).inc(amount)
+        child = self._child(spec, label_values)
+        if child is not None:
+            child.inc(amount)
 
     def set(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:
-        self._child(spec, label_values).set(value)
+        child = self._child(spec, label_values)
+        if child is not None:
+            child.set(value)
 
     def observe(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:
-        self._child(spec, label_values).observe(value)
+        child = self._child(spec, label_values)
+        if child is not None:
+            child.observe(value)
 
     def info(self, spec: MetricSpec, label_values: tuple[str, ...]) -> None:
-        self._child(spec, label_values).set(1)
+        child = self._child(spec, label_values)
+        if child is not None:
+            child.set(1)
 
     def serving_registry(self) -> CollectorRegistry:
         """The registry a scrape should read (all processes in multiprocess mode)."""

@@ -169,6 +169,13 @@ RECOVERY_DURATION = MetricSpec(
     "Wall time spent in the KV-load recovery path, per scheduler step that ran it.",
     unit="seconds", buckets=RECOVERY_BUCKETS,
 )
+SERIES_OVERFLOW = MetricSpec(
+    "kvmetrics_series_overflow_total", "counter",
+    "Metric updates the exporter dropped because they would have created a series "
+    "beyond its family's cap on label sets, or with a label value outside the catalogue "
+    "(a runaway label). Existing series keep counting.",
+    unit="updates", open_labels=("metric",),
+)
 BUILD_INFO = MetricSpec(
     "kvmetrics_build_info", "info",
     "kvmetrics version and the kind of engine it instruments (value is always 1).",
@@ -192,6 +199,7 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     KV_CACHE_USAGE,
     REQUESTS,
     RECOVERY_DURATION,
+    SERIES_OVERFLOW,
     BUILD_INFO,
 )
 
