@@ -80,18 +80,22 @@ class PrometheusSink:
         return Gauge(spec.name, spec.help, labels, registry=registry,
                      multiprocess_mode=mode)
 
-    def _child(self, spec: MetricSpec, values: tuple[str, ...]):
+    def _child(self, spec: MetricSpec, values: tuple[str, ...], count: bool = True):
         key = (spec.name, values)
         child = self._children.get(key)
         if child is None:
-            if not self._admit(spec, values):
+            if not self._admit(spec, values, count):
                 return None
             child = self._children[key] = self._metrics[spec.name].labels(*values)
             self._series[spec.name] = self._series.get(spec.name, 0) + 1
         return child
 
-    def _admit(self, spec: MetricSpec, values: tuple[str, ...]) -> bool:
-        """First sight of a label set: bounded values and room left in the family."""
+    def _admit(self, spec: MetricSpec, values: tuple[str, ...], count: bool) -> bool:
+        """First sight of a label set: bounded values and room left in the family.
+
+        ``count=False`` for the zero-valued series created up front: refusing those
+        drops nothing a user would miss, so it is not counted as overflow.
+        """
         common = len(values) - len(spec.labels) - len(spec.open_labels)
         own = values[common:]
         ok = all(v in allowed for v, allowed in zip(own, spec.labels.values(), strict=False))
@@ -101,14 +105,14 @@ class PrometheusSink:
         cap = self.max_series_per_family * (len(ALL_METRICS) if spec is SERIES_OVERFLOW else 1)
         if ok and self._series.get(spec.name, 0) < cap:
             return True
-        if spec is not SERIES_OVERFLOW:
+        if count and spec is not SERIES_OVERFLOW:
             overflow = self._child(SERIES_OVERFLOW, values[:common] + (spec.name,))
             if overflow is not None:
                 overflow.inc()
         return False
 
     def inc(self, spec: MetricSpec, label_values: tuple[str, ...], amount: float) -> None:
-        child = self._child(spec, label_values)
+        child = self._child(spec, label_values, count=amount != 0)
         if child is not None:
             child.inc(amount)
 
