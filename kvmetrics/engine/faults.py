@@ -69,7 +69,8 @@ class FaultPlan:
             raise FaultPlanError("fault plan must be a JSON object")
         unknown = set(data) - {"rate", "seed", "failures"}
         if unknown:
-            raise FaultPlanError(f"fault plan has unknown field(s): {', '.join(sorted(unknown))}")
+            raise FaultPlanError(
+                f"fault plan has unknown field(s): {', '.join(map(repr, sorted(unknown)))}")
         rate = data.get("rate", 0.0)
         seed = data.get("seed", 0)
         if isinstance(rate, bool) or not isinstance(rate, int | float):
@@ -85,8 +86,8 @@ class FaultPlan:
                 raise FaultPlanError(f"fault plan failure #{i} needs a 'block' index")
             extra = set(item) - {"block", "request", "step"}
             if extra:
-                raise FaultPlanError(
-                    f"fault plan failure #{i} has unknown field(s): {', '.join(sorted(extra))}")
+                raise FaultPlanError(f"fault plan failure #{i} has unknown field(s): "
+                                     f"{', '.join(map(repr, sorted(extra)))}")
             block, request, step = item["block"], item.get("request"), item.get("step")
             if isinstance(block, bool) or not isinstance(block, int) or block < 0:
                 raise FaultPlanError(f"fault plan failure #{i}: 'block' must be an integer >= 0")

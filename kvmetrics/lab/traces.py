@@ -106,7 +106,7 @@ def _parse_kvmetrics(record: dict[str, Any], index: int, where: str) -> WorkItem
              "block_tokens", "output_length"}
     unknown = set(record) - known
     if unknown:
-        raise TraceError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
+        raise TraceError(f"{where}: unknown field(s) {', '.join(map(repr, sorted(unknown)))}")
     rid = record.get("id", f"req-{index:06d}")
     if not isinstance(rid, str) or not rid:
         raise TraceError(f"{where}: 'id' must be a non-empty string")
