@@ -6,6 +6,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +88,10 @@ def _abort_schedule(cfg: LabConfig, items: list[WorkItem]) -> dict[str, int]:
             if rng.random() < cfg.abort_rate}
 
 
-def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None) -> LabResult:
+def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
+            on_finished: Callable[[LabResult], None] | None = None) -> LabResult:
+    """Run a workload to the end. ``on_finished`` sees the result before ``--linger``
+    starts, while the metrics are still served (embedding, tests)."""
     cfg.validate()
     if items is None:
         items = load_items(cfg)
@@ -117,7 +121,8 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None) -> LabResult:
         log.info("serving metrics on http://%s:%d/metrics", server.host, server.port)
 
     try:
-        return _drive(cfg, items, instrumented, engine, pipeline, prometheus, server)
+        return _drive(cfg, items, instrumented, engine, pipeline, prometheus, server,
+                      on_finished)
     finally:
         engine.close()
         if provider is not None:
@@ -128,7 +133,8 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None) -> LabResult:
 
 def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngine,
            engine: Any, pipeline: MetricsPipeline, prometheus: PrometheusSink,
-           server: MetricsServer | None) -> LabResult:
+           server: MetricsServer | None,
+           on_finished: Callable[[LabResult], None] | None) -> LabResult:
     pending = deque(sorted(items, key=lambda it: it.arrival_s))
     aborts_after = _abort_schedule(cfg, items)
     abort_at: dict[int, list[str]] = {}
@@ -171,10 +177,13 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
     wall = time.monotonic() - start
     summary = build_summary(pipeline.totals, engine=engine.kind, submitted=len(items),
                             wall_seconds=wall, steps=executed)
+    result = LabResult(summary, pipeline, prometheus, engine.findings)
+    if on_finished is not None:
+        on_finished(result)
     if server is not None and cfg.linger > 0:
         log.info("run finished; serving metrics for %.1f more seconds", cfg.linger)
         time.sleep(cfg.linger)
-    return LabResult(summary, pipeline, prometheus, engine.findings)
+    return result
 
 
 def _arrivals_due(pending: deque[WorkItem], clock: int, cfg: LabConfig) -> bool:
