@@ -16,14 +16,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvmetrics.engine.recovery as recovery
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.tokens import VOCAB_SIZE
-from kvmetrics.kv.harness import Job, Trace, build_engine, drive, evicting_truncate, populate_store
+from kvmetrics.kv.harness import Job, Trace, build_engine, drive, populate_store
 from kvmetrics.metrics import catalogue as cat
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None)
@@ -98,9 +96,7 @@ def _run(s: Scenario, runner: str = "torch", **options) -> tuple[object, Trace]:
 @given(scenarios())
 @settings(SETTINGS, max_examples=80)
 def test_with_the_fixes_no_run_has_a_finding(s: Scenario) -> None:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(recovery, "_truncate", evicting_truncate(recovery._truncate))
-        engine, _ = _run(s, save_policy="discard-aware", strict=True)
+    engine, _ = _run(s, recovery="evict", strict=True)
     assert engine.runner.findings == []
 
 

@@ -14,13 +14,12 @@ import random
 
 import pytest
 
-import kvmetrics.engine.recovery as recovery
 import kvmetrics.engine.request as request_module
 import kvmetrics.engine.scheduler as scheduler_module
 from kvmetrics.engine.block_pool import BlockPool
 from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
 from kvmetrics.kv.device import available_devices
-from kvmetrics.kv.harness import Engine, Job, build_engine, drive, evicting_truncate, populate_store
+from kvmetrics.kv.harness import Engine, Job, build_engine, drive, populate_store
 from kvmetrics.kv.verify import KVVerificationError
 from kvmetrics.kv_errors import is_verification_error
 
@@ -147,14 +146,11 @@ def test_engine_hash_bug_cannot_hide(monkeypatch: pytest.MonkeyPatch, device: st
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fixed", [False, True], ids=["vllm-recovery", "evicting-recovery"])
-def test_recompute_policy_stale_shared_block(monkeypatch: pytest.MonkeyPatch, device: str,
-                                             fixed: bool) -> None:
+def test_recompute_policy_stale_shared_block(device: str, fixed: bool) -> None:
     """Under ``recompute`` a failed sync block stays hashed until its owner recomputes
     it. If the owner goes away first (here: aborted), the next request with the same
     prefix hits the failed block and attends over poisoned KV."""
-    if fixed:
-        monkeypatch.setattr(recovery, "_truncate", evicting_truncate(recovery._truncate))
-    engine = _engine("recompute", device)
+    engine = _engine("recompute", device, recovery="evict" if fixed else "vllm")
     _admit(engine, Job("A", A_PROMPT, 3))
     bad = _failed_block(engine)
     assert engine.scheduler.requests["A"].num_computed_tokens == BS  # rolled back to #1
@@ -169,14 +165,12 @@ def test_recompute_policy_stale_shared_block(monkeypatch: pytest.MonkeyPatch, de
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fixed", [False, True], ids=["vllm-recovery", "evicting-recovery"])
-def test_recompute_policy_preempted_owner_reads_stale_block(
-        monkeypatch: pytest.MonkeyPatch, device: str, fixed: bool) -> None:
+def test_recompute_policy_preempted_owner_reads_stale_block(device: str, fixed: bool) -> None:
     """The same hole without any abort: the owner is preempted before it recomputes
     its failed block, and on re-admission hits that block in the prefix cache."""
-    if fixed:
-        monkeypatch.setattr(recovery, "_truncate", evicting_truncate(recovery._truncate))
     # 1 null block + 2 for R + 6 for A: the pool is full once A is admitted.
-    engine = _engine("recompute", device, num_gpu_blocks=9)
+    engine = _engine("recompute", device, num_gpu_blocks=9,
+                     recovery="evict" if fixed else "vllm")
     _admit(engine, Job("R", OTHER, 8))
     engine.loop.step()  # R prefills 7 tokens
     _admit(engine, Job("A", A_PROMPT, 3))
@@ -218,15 +212,13 @@ def test_sharer_saves_poisoned_kv_to_store(device: str, variant: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fixed", [False, True], ids=["vllm-recovery", "evicting-recovery"])
-def test_sharer_tail_stays_hashed_after_fail(monkeypatch: pytest.MonkeyPatch, device: str,
-                                             fixed: bool) -> None:
+def test_sharer_tail_stays_hashed_after_fail(device: str, fixed: bool) -> None:
     """Under ``fail`` only the owner's blocks from the failed one on are evicted. A
     same-step sharer's own new block (computed over poisoned KV) stays hashed behind
     the evicted block; once another request re-caches the evicted block's hash (it
     loads it again, successfully), the stale block is reachable again."""
-    if fixed:
-        monkeypatch.setattr(recovery, "_truncate", evicting_truncate(recovery._truncate))
-    engine = _engine("fail", device, save_policy="discard-aware")
+    engine = _engine("fail", device, save_policy="discard-aware",
+                     recovery="evict" if fixed else "vllm")
     _admit(engine, Job("A", A_PROMPT, 3), Job("S", S_PROMPT, 3))
     out = engine.loop.step()
     (s_block,) = [s.block_ids[4] for s in out.scheduled if s.request_id == "S"]

@@ -27,3 +27,12 @@ def test_soak_command() -> None:
     assert json.loads(result.stdout)["scenarios"] == 5
     bad = run_cli("soak", "--engines", "reference,tpu")
     assert bad.returncode == 2 and "unknown engine 'tpu'" in bad.stderr
+
+
+def test_verified_soak_finds_vllms_stale_reads_and_the_evicting_recovery_fixes_them() -> None:
+    # Seed 66: policy recompute, mixed loads, preemption and aborts (docs/vllm.md).
+    faithful = soak(1, verify="full", seed=66)
+    assert faithful.verification_failures > 0
+    assert faithful.invariant_violations == faithful.counter_violations == 0
+    fixed = soak(12, verify="full", seed=60, recovery="evict")
+    assert fixed.as_dict()["failing_seeds"] == []

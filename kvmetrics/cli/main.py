@@ -55,6 +55,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    "recompute (default) or fail")
     g.add_argument("--accounting", default="unified",
                    help="unified (default) or historical (reproduces the old negative counts)")
+    g.add_argument("--recovery", default="vllm",
+                   help="vllm (default: vLLM 0.33's recovery path) or evict (the fix for its "
+                   "stale reads; reference engine only)")
     g = p.add_argument_group("faults")
     g.add_argument("--fault-rate", type=float, default=0.02, metavar="P",
                    help="probability that each loaded block fails (default 0.02)")
@@ -98,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the first scenario")
     p.add_argument("--accounting", default="unified", help="unified (default) or historical")
     p.add_argument("--verify", default="full", help="full (default), sampled or off")
+    p.add_argument("--recovery", default="vllm", help="vllm (default) or evict")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     sub.add_parser("workloads", help="list the synthetic workloads")
     sub.add_parser("catalogue", help="list every exported metric")
@@ -135,6 +139,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_tokens=args.max_tokens, fault_rate=args.fault_rate, fault_mode=args.fault_mode,
         fault_plan=args.fault_plan, policy=args.policy, accounting=args.accounting,
+        recovery=args.recovery,
         store_blocks=args.store_blocks, kv_dim=args.kv_dim, device=args.device,
         verify=args.verify, verify_fraction=args.verify_fraction, seed=args.seed,
         step_seconds=args.step_seconds, realtime=args.realtime, abort_rate=args.abort_rate,
@@ -181,11 +186,14 @@ def _cmd_soak(args: argparse.Namespace) -> int:
         return _fail(f"unknown verify mode {args.verify!r}")
     if args.accounting not in ("unified", "historical"):
         return _fail(f"unknown accounting {args.accounting!r}")
+    if args.recovery not in ("vllm", "evict"):
+        return _fail(f"unknown recovery {args.recovery!r}")
     if args.scenarios < 1:
         return _fail(f"--scenarios must be a positive integer, got {args.scenarios}")
     logging.getLogger("kvmetrics").setLevel(logging.CRITICAL)  # tallied, not logged
     bar = Progress(args.scenarios, enabled=sys.stderr.isatty())
     report = soak(args.scenarios, engines, args.seed, args.accounting, args.verify,
+                  recovery=args.recovery,
                   on_progress=lambda r: bar.update(r.scenarios // len(engines), r.scenarios))
     bar.close()
     data = report.as_dict()

@@ -9,6 +9,12 @@ only fall back to their pre-step count. Under policy ``fail`` the failed sync
 blocks and every block after them are evicted from the prefix cache and the
 requests finish with an error; under ``recompute`` nothing is evicted (the blocks
 will be recomputed in place) and the requests run again.
+
+That is vLLM 0.33's behaviour (``recovery="vllm"``, the default). It can leave
+bad KV hashed: a failed block whose owner is preempted or aborted before
+recomputing it, or a same-step sharer's own new blocks (docs/vllm.md).
+``recovery="evict"`` is the fix the verifier argues for: every affected sync
+request loses its blocks from its rollback point on, under both policies.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ def handle_invalid_blocks(
     sync_ids, to_evict = _truncate(sched, sched.running, invalid, num_scheduled, "sync", events)
     if not async_ids and not sync_ids:
         return set()
-    if to_evict and sched.policy == "fail":
+    if to_evict and (sched.policy == "fail" or sched.config.recovery == "evict"):
         sched.pool.evict_blocks(to_evict)
     action = "failed" if sched.policy == "fail" else "rescheduled"
     for rid in sorted(async_ids):
@@ -85,11 +91,28 @@ def _truncate(
             request.num_computed_tokens = before
         affected.add(rid)
         after = request.num_computed_tokens
+        if mode == "sync" and sched.config.recovery == "evict":
+            _evict_from(sched, rid, after, to_evict)
         events.rolled_back(mode, sched.policy, rid, _historical_before(sched, request, mode,
                                                                        before), after)
         if sched.historical:
             request.num_external_computed_tokens -= before - after
     return affected, to_evict
+
+
+def _evict_from(sched: Scheduler, request_id: str, computed: int, to_evict: set[int]) -> None:
+    """The ``evict`` recovery: drop every block this request may have filled with bad KV.
+
+    That is the block holding its first lost token and all after it, for the owner
+    of a failed block and for every request that shared it in the failed step (its
+    own new blocks were computed over the bad one). The cached-block count is reset
+    so the recomputed blocks are offered to the prefix cache again.
+    """
+    keep = computed // sched.block_size
+    to_evict.update(sched.kv.block_ids(request_id)[keep:])
+    cached = sched.kv.num_cached_blocks
+    if cached.get(request_id, 0) > keep:
+        cached[request_id] = keep
 
 
 def _historical_before(sched: Scheduler, request: Request, mode: str, before: int) -> int:

@@ -31,6 +31,7 @@ from kvmetrics.metrics.events import GaugeReadings, PoolSnapshot, StepEvents
 POLICIES = ("recompute", "fail")
 ACCOUNTINGS = ("unified", "historical")
 ASYNC_ADMISSIONS = ("live", "vllm")
+RECOVERIES = ("vllm", "evict")
 
 
 class ConfigError(ValueError):
@@ -57,6 +58,10 @@ class SchedulerConfig:
     #: ``vllm``: exactly vLLM 0.33, where such a request keeps reserving for itself
     #: at the head of the queue and can stall the engine for good (docs/vllm.md).
     async_admission: str = "live"
+    #: ``vllm``: vLLM 0.33's recovery path exactly. ``evict``: also evict, under both
+    #: policies, every affected request's blocks from its rollback point on (the fix
+    #: for the stale reads vLLM's path allows; see kvmetrics.engine.recovery).
+    recovery: str = "vllm"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -72,6 +77,8 @@ class SchedulerConfig:
         if self.async_admission not in ASYNC_ADMISSIONS:
             raise ConfigError(f"async_admission must be one of {ASYNC_ADMISSIONS}, "
                               f"got {self.async_admission!r}")
+        if self.recovery not in RECOVERIES:
+            raise ConfigError(f"recovery must be one of {RECOVERIES}, got {self.recovery!r}")
         if self.accounting not in ACCOUNTINGS:
             raise ConfigError(f"accounting must be one of {ACCOUNTINGS}, "
                               f"got {self.accounting!r}")

@@ -9,7 +9,6 @@ two runs can be compared field by field.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,13 +47,15 @@ def build_engine(
     eos_probability: float = 0.0,
     async_delay_steps: int = 1,
     scheduler_cls: type[Scheduler] = Scheduler,
+    recovery: str = "vllm",
     **torch_options: Any,
 ) -> Engine:
     """The reference engine with a store connector (``store_blocks=0``: none) and a runner."""
     config = SchedulerConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks,
                              max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len, kv_load_failure_policy=policy)
+                             max_model_len=max_model_len, kv_load_failure_policy=policy,
+                             recovery=recovery)
     store = ExternalStoreIndex(store_blocks) if store_blocks else None
     connector = (StoreConnector(store, block_size, load_mode, seed)
                  if store is not None else None)
@@ -150,27 +151,3 @@ def populate_store(engine: Engine, prompt: tuple[int, ...], request_id: str = "s
         raise RuntimeError("prefix cache reset refused: a request still holds blocks")
 
 
-def evicting_truncate(original: Callable[..., tuple[set[str], set[int]]]
-                      ) -> Callable[..., tuple[set[str], set[int]]]:
-    """Wrap ``kvmetrics.engine.recovery._truncate`` with the fix the verifier argues for.
-
-    After a failed *sync* load, every affected request (the owner of the failed
-    block and any request that hit it in the same step) gets the blocks from its
-    rollback point on evicted from the prefix cache, under both policies. vLLM's
-    path (and the reference engine's) evicts only the owner's blocks and only
-    under ``fail``; tests install this with ``monkeypatch`` to show that the
-    findings go away with it.
-    """
-
-    def truncate(sched: Any, requests: Any, invalid: set[int], num_scheduled: dict[str, int],
-                 mode: str, events: Any) -> tuple[set[str], set[int]]:
-        requests = list(requests)
-        affected, to_evict = original(sched, requests, invalid, num_scheduled, mode, events)
-        if mode == "sync":
-            for request in requests:
-                if request.request_id in affected:
-                    keep = request.num_computed_tokens // sched.block_size
-                    sched.pool.evict_blocks(sched.kv.block_ids(request.request_id)[keep:])
-        return affected, to_evict
-
-    return truncate

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from kvmetrics.engine.connector import LOAD_MODES
-from kvmetrics.engine.scheduler import ACCOUNTINGS, POLICIES
+from kvmetrics.engine.scheduler import ACCOUNTINGS, POLICIES, RECOVERIES
 from kvmetrics.lab.synthetic import DESCRIPTIONS
 from kvmetrics.lab.traces import FORMATS
 
@@ -38,6 +38,9 @@ class LabConfig:
     fault_plan: str | None = None
     policy: str = "recompute"
     accounting: str = "unified"
+    #: ``vllm`` (vLLM 0.33's recovery path) or ``evict`` (the fix for its stale reads;
+    #: reference engine only, see kvmetrics.engine.recovery).
+    recovery: str = "vllm"
     #: Capacity of the external (host) store in blocks; 0 runs without a connector.
     store_blocks: int | None = None
     kv_dim: int = 8
@@ -70,6 +73,7 @@ class LabConfig:
         _choice("fault mode", self.fault_mode, LOAD_MODES)
         _choice("policy", self.policy, POLICIES)
         _choice("accounting", self.accounting, ACCOUNTINGS)
+        _choice("recovery", self.recovery, RECOVERIES)
         _choice("verify mode", self.verify, VERIFY_MODES)
         _choice("device", self.device, DEVICES)
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",

@@ -67,7 +67,7 @@ def scheduler_config(cfg: LabConfig, items: list[WorkItem]) -> SchedulerConfig:
             block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max(longest, cfg.block_size), kv_load_failure_policy=cfg.policy,
-            accounting=cfg.accounting)
+            accounting=cfg.accounting, recovery=cfg.recovery)
     except ConfigError as e:
         raise LabError(str(e)) from None
 

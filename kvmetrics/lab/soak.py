@@ -62,7 +62,8 @@ class SoakReport:
         }
 
 
-def scenario_config(seed: int, engine: str, accounting: str, verify: str) -> LabConfig:
+def scenario_config(seed: int, engine: str, accounting: str, verify: str,
+                    recovery: str = "vllm") -> LabConfig:
     """A random but reproducible scenario: small enough to run in a fraction of a second."""
     rng = random.Random(seed)
     block_size = rng.choice((4, 8, 16))
@@ -79,6 +80,7 @@ def scenario_config(seed: int, engine: str, accounting: str, verify: str) -> Lab
         fault_mode=rng.choice(("sync", "async", "mixed")),
         policy=rng.choice(("recompute", "fail")),
         accounting=accounting,
+        recovery=recovery,
         store_blocks=rng.choice((0, 64, 1024)),
         abort_rate=rng.choice((0.0, 0.1)),
         verify=verify,
@@ -88,8 +90,8 @@ def scenario_config(seed: int, engine: str, accounting: str, verify: str) -> Lab
 
 
 def run_scenario(seed: int, engine: str, accounting: str = "unified",
-                 verify: str = "full") -> ScenarioOutcome:
-    cfg = scenario_config(seed, engine, accounting, verify)
+                 verify: str = "full", recovery: str = "vllm") -> ScenarioOutcome:
+    cfg = scenario_config(seed, engine, accounting, verify, recovery)
     try:
         result = run_lab(cfg)
     except Exception as e:  # a crash is a finding, reported with its seed
@@ -102,12 +104,14 @@ def run_scenario(seed: int, engine: str, accounting: str = "unified",
 
 def soak(num_scenarios: int, engines: Sequence[str] = ("reference",), seed: int = 0,
          accounting: str = "unified", verify: str = "full",
-         on_progress: Callable[[SoakReport], None] | None = None) -> SoakReport:
+         on_progress: Callable[[SoakReport], None] | None = None,
+         recovery: str = "vllm") -> SoakReport:
     report = SoakReport()
     start = time.monotonic()
     for i in range(num_scenarios):
         for engine in engines:
-            report.add(run_scenario(seed + i, engine, accounting, verify))
+            report.add(run_scenario(seed + i, engine, accounting, verify,
+                                    recovery if engine == "reference" else "vllm"))
         if on_progress is not None:
             on_progress(report)
     report.wall_seconds = time.monotonic() - start

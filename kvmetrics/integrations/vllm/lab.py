@@ -21,6 +21,9 @@ class VllmLabEngine:
         if cfg.accounting != "unified":
             raise LabError("--accounting historical needs --engine reference "
                            "(vLLM 0.33 only has the unified accounting)")
+        if cfg.recovery != "vllm":
+            raise LabError("--recovery evict needs --engine reference "
+                           "(vLLM runs its own recovery path)")
         capacity = cfg.store_capacity
         self.store = ExternalStoreIndex(capacity) if capacity else None
         self.runner = make_runner(cfg, faults, self.store, self._tokens)
