@@ -1,0 +1,66 @@
+"""Dependencies point one way, toward the engine-agnostic core.
+
+Each layer may import only the layers listed for it (and the standard library
+or its own third-party tools). The engine in particular never imports torch,
+vLLM or an exporter: it is the pure core the other layers build on.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvmetrics"
+
+#: layer -> (kvmetrics layers it may import, third-party top-level modules it may import)
+ALLOWED: dict[str, tuple[set[str], set[str]]] = {
+    "metrics": ({"metrics"}, set()),
+    "engine": ({"engine", "metrics"}, set()),
+    "exporters": ({"exporters", "metrics"}, {"prometheus_client", "opentelemetry"}),
+    "instrument": ({"instrument", "metrics"}, set()),
+    "kv": ({"kv", "engine", "metrics"}, {"torch"}),
+    "lab": ({"lab", "engine", "metrics", "exporters", "instrument", "kv", "integrations"},
+            set()),
+    "integrations": ({"integrations", "lab", "engine", "metrics", "exporters", "instrument",
+                      "kv"}, {"vllm", "prometheus_client", "opentelemetry", "torch"}),
+    "cli": ({"cli", "lab", "engine", "metrics", "kv_errors"}, set()),
+}
+STDLIB = set(sys.stdlib_module_names)
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_every_module_imports_only_its_allowed_layers() -> None:
+    problems = []
+    for layer, (layers, third_party) in ALLOWED.items():
+        for path in (PACKAGE / layer).rglob("*.py"):
+            for name in _imports(path):
+                top = name.split(".")[0]
+                if top == "kvmetrics":
+                    parts = name.split(".")
+                    if len(parts) > 1 and parts[1] not in layers:
+                        problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
+                elif top not in STDLIB and top not in third_party and top != "__future__":
+                    problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    assert problems == []
+
+
+def test_importing_the_engine_loads_no_heavy_dependency() -> None:
+    code = ("import sys, kvmetrics.engine.scheduler, kvmetrics.engine.executor, "
+            "kvmetrics.engine.loop, kvmetrics.metrics.pipeline; "
+            "print(sorted(m for m in ('torch', 'vllm', 'prometheus_client', 'opentelemetry') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
