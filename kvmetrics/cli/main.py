@@ -190,7 +190,8 @@ def _cmd_soak(args: argparse.Namespace) -> int:
         return _fail(f"unknown recovery {args.recovery!r}")
     if args.scenarios < 1:
         return _fail(f"--scenarios must be a positive integer, got {args.scenarios}")
-    logging.getLogger("kvmetrics").setLevel(logging.CRITICAL)  # tallied, not logged
+    for name in ("kvmetrics", "vllm"):  # findings are tallied, not logged
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     bar = Progress(args.scenarios, enabled=sys.stderr.isatty())
     report = soak(args.scenarios, engines, args.seed, args.accounting, args.verify,
                   recovery=args.recovery,
