@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Protocol
 
 from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.engine.hashing import BlockHash
 from kvmetrics.engine.outputs import LoadSpec
 from kvmetrics.engine.request import Request
 
@@ -39,6 +41,19 @@ def choose_load_mode(mode: str, request_id: str, seed: int = 0) -> str:
     return "async" if digest[0] & 1 else "sync"
 
 
+def stored_run(block_hashes: Sequence[BlockHash], start: int, limit: int,
+               store: ExternalStoreIndex) -> int:
+    """How many blocks from ``start`` (up to ``limit``) the store holds without a gap.
+
+    ``limit`` is the number of full blocks before the last token, which a request
+    always computes itself (so it can sample); every store connector matches so.
+    """
+    n = 0
+    while start + n < limit and block_hashes[start + n] in store:
+        n += 1
+    return n
+
+
 class StoreConnector:
     """Offers the longest run of a request's next full blocks found in the store.
 
@@ -62,10 +77,7 @@ class StoreConnector:
     ) -> tuple[int | None, bool]:
         bs = self.block_size
         start = num_computed_tokens // bs
-        limit = (request.num_tokens - 1) // bs
-        n = 0
-        while start + n < limit and request.block_hashes[start + n] in self.store:
-            n += 1
+        n = stored_run(request.block_hashes, start, (request.num_tokens - 1) // bs, self.store)
         if n == 0:
             return 0, False
         is_async = choose_load_mode(self.mode, request.request_id, self.seed) == "async"

@@ -30,6 +30,24 @@ def sample_token(seed: int, position: int, eos_probability: float = 0.0) -> int:
     return x % VOCAB_SIZE
 
 
+def sample_step(out: SchedulerOutput, result: ModelRunnerOutput, seeds: dict[str, int],
+                eos_probability: float) -> None:
+    """Sample the next token of every request whose scheduled tokens reach its end.
+
+    Every model runner samples through here, so runs with either runner agree
+    token for token. ``seeds`` caches each request's seed between steps.
+    """
+    for sched in out.scheduled:
+        end = sched.num_computed_tokens + sched.num_scheduled_tokens
+        if end < sched.num_tokens:
+            continue  # a prefill chunk that does not reach the end samples nothing
+        seed = seeds.get(sched.request_id)
+        if seed is None:
+            seed = seeds[sched.request_id] = request_seed(sched.request_id)
+        result.sampled_token_ids[sched.request_id] = [
+            sample_token(seed, end, eos_probability)]
+
+
 def discarded_requests(out: SchedulerOutput, invalid: set[int]) -> set[str]:
     """Scheduled requests that read a block reported invalid in this step.
 
@@ -66,15 +84,7 @@ class SimulatedExecutor:
             for save in out.saves:
                 if save.request_id not in discarded:
                     self.store.insert(save.block_hash)
-        for sched in out.scheduled:
-            end = sched.num_computed_tokens + sched.num_scheduled_tokens
-            if end < sched.num_tokens:
-                continue  # a prefill chunk that does not reach the end samples nothing
-            seed = self._seeds.get(sched.request_id)
-            if seed is None:
-                seed = self._seeds[sched.request_id] = request_seed(sched.request_id)
-            result.sampled_token_ids[sched.request_id] = [
-                sample_token(seed, end, self.eos_probability)]
+        sample_step(out, result, self._seeds, self.eos_probability)
         for rid in out.finished_req_ids:
             self._seeds.pop(rid, None)
         return result

@@ -34,6 +34,27 @@ ASYNC_ADMISSIONS = ("live", "vllm")
 RECOVERIES = ("vllm", "evict")
 
 
+def check_fits(request_id: str, num_prompt_tokens: int, max_tokens: int,
+               config: SchedulerConfig) -> None:
+    """Refuse a request that could never run to its end (any engine, same rule).
+
+    Its last sampled token is never computed, so it needs the blocks of
+    ``prompt + max_tokens - 1`` tokens; a request needing more than the pool holds
+    could never be scheduled and the engine would spin forever.
+    """
+    if num_prompt_tokens < 1:
+        raise ValueError(f"request {request_id!r} has an empty prompt")
+    if num_prompt_tokens + max_tokens > config.max_model_len:
+        raise ValueError(
+            f"request {request_id!r} needs {num_prompt_tokens} prompt + {max_tokens} output "
+            f"tokens, more than max_model_len {config.max_model_len}")
+    need = -(-(num_prompt_tokens + max_tokens - 1) // config.block_size)
+    if need > config.num_gpu_blocks - 1:
+        raise ValueError(
+            f"request {request_id!r} needs up to {need} KV blocks of {config.block_size} "
+            f"tokens, more than the {config.num_gpu_blocks - 1} usable blocks of the cache")
+
+
 class ConfigError(ValueError):
     """An impossible scheduler configuration; the message names the field."""
 
@@ -120,21 +141,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if request.num_prompt_tokens < 1:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        if request.num_prompt_tokens + request.max_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r} needs {request.num_prompt_tokens} prompt + "
-                f"{request.max_tokens} output tokens, more than max_model_len "
-                f"{self.config.max_model_len}")
-        # Its last sampled token is never computed; any more blocks than the pool holds
-        # and the request could never be scheduled: the engine would spin forever.
-        need = -(-(request.num_prompt_tokens + request.max_tokens - 1) // self.block_size)
-        if need > self.config.num_gpu_blocks - 1:
-            raise ValueError(
-                f"request {request.request_id!r} needs up to {need} KV blocks of "
-                f"{self.block_size} tokens, more than the {self.config.num_gpu_blocks - 1} "
-                f"usable blocks of the cache")
+        check_fits(request.request_id, request.num_prompt_tokens, request.max_tokens,
+                   self.config)
         request.update_block_hashes(self.block_size)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmetrics.engine.executor import request_seed, sample_token
+from kvmetrics.engine.executor import sample_step
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.outputs import LoadSpec, ModelRunnerOutput, SchedulerOutput
@@ -294,12 +294,4 @@ class TorchModelRunner:
 
     def _sample(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """The executor's sampler, token for token: runs with either runner agree."""
-        for sched in out.scheduled:
-            end = sched.num_computed_tokens + sched.num_scheduled_tokens
-            if end < sched.num_tokens:
-                continue  # a prefill chunk that does not reach the end samples nothing
-            seed = self._seeds.get(sched.request_id)
-            if seed is None:
-                seed = self._seeds[sched.request_id] = request_seed(sched.request_id)
-            result.sampled_token_ids[sched.request_id] = [
-                sample_token(seed, end, self.eos_probability)]
+        sample_step(out, result, self._seeds, self.eos_probability)

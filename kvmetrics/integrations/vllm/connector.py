@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvmetrics.engine.connector import LOAD_MODES, choose_load_mode
+from kvmetrics.engine.connector import LOAD_MODES, choose_load_mode, stored_run
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.outputs import LoadSpec
 
@@ -93,11 +93,7 @@ class KvmetricsStoreConnector(KVConnectorBase_V1):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         bs = self.block_size
         start = num_computed_tokens // bs
-        limit = (request.num_tokens - 1) // bs
-        hashes = request.block_hashes
-        n = 0
-        while start + n < limit and hashes[start + n] in self.store:
-            n += 1
+        n = stored_run(request.block_hashes, start, (request.num_tokens - 1) // bs, self.store)
         if n == 0:
             return 0, False
         is_async = choose_load_mode(self.mode, request.request_id, self.seed) == "async"

@@ -19,7 +19,7 @@ from vllm.v1.request import Request as VllmRequest
 
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.engine.scheduler import SchedulerConfig, check_fits
 from kvmetrics.integrations.vllm import builder
 from kvmetrics.integrations.vllm.connector import register_store, unregister_store
 from kvmetrics.integrations.vllm.recorder import FINISH_REASONS
@@ -97,20 +97,8 @@ class VllmEngine:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        if request.num_prompt_tokens < 1:
-            raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        if request.num_prompt_tokens + request.max_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r} needs {request.num_prompt_tokens} prompt + "
-                f"{request.max_tokens} output tokens, more than max_model_len "
-                f"{self.config.max_model_len}")
-        # As the reference engine: a request that can never fit would spin the loop forever.
-        bs = self.config.block_size
-        need = -(-(request.num_prompt_tokens + request.max_tokens - 1) // bs)
-        if need > self.config.num_gpu_blocks - 1:
-            raise ValueError(
-                f"request {request.request_id!r} needs up to {need} KV blocks of {bs} tokens, "
-                f"more than the {self.config.num_gpu_blocks - 1} usable blocks of the cache")
+        check_fits(request.request_id, request.num_prompt_tokens, request.max_tokens,
+                   self.config)
         vreq = self.to_vllm_request(request)
         self.requests[request.request_id] = vreq
         self.scheduler.add_request(vreq)
