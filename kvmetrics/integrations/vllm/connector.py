@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvmetrics.engine.connector import LOAD_MODES, choose_load_mode, stored_run
+from kvmetrics.engine.connector import LOAD_MODES, StoreConnector
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.outputs import LoadSpec
 
@@ -71,16 +71,17 @@ class KvmetricsStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        self.mode = str(extra.get("load_mode", "sync"))
-        if self.mode not in LOAD_MODES:
-            raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {self.mode!r}")
-        self.seed = int(extra.get("seed", 0))
+        mode = str(extra.get("load_mode", "sync"))
+        if mode not in LOAD_MODES:
+            raise ValueError(f"load_mode must be one of {LOAD_MODES}, got {mode!r}")
         self.store_key = str(extra.get("store_key", "default"))
         self.store = get_store(self.store_key,
                                int(extra.get("capacity_blocks", DEFAULT_CAPACITY_BLOCKS)))
         self.block_size = vllm_config.cache_config.block_size
-        self._pending: dict[str, tuple[int, bool]] = {}
-        self._loads: list[LoadSpec] = []
+        # The reference engine's connector decides; vLLM's requests have the same
+        # fields it reads (request_id, num_tokens, block_hashes).
+        self.matcher = StoreConnector(self.store, self.block_size, mode,
+                                      int(extra.get("seed", 0)))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -91,37 +92,19 @@ class KvmetricsStoreConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        bs = self.block_size
-        start = num_computed_tokens // bs
-        n = stored_run(request.block_hashes, start, (request.num_tokens - 1) // bs, self.store)
-        if n == 0:
-            return 0, False
-        is_async = choose_load_mode(self.mode, request.request_id, self.seed) == "async"
-        self._pending[request.request_id] = (start, is_async)
-        return n * bs, is_async
+        return self.matcher.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        pending = self._pending.pop(request.request_id, None)
-        if num_external_tokens <= 0 or pending is None:
-            return
-        first, is_async = pending
-        n = num_external_tokens // self.block_size
         (block_ids,) = blocks.get_block_ids()
-        hashes = request.block_hashes[first:first + n]
-        for h in hashes:
-            self.store.lookup(h)  # a hit refreshes its recency in the store
-        self._loads.append(LoadSpec(
-            request.request_id, "async" if is_async else "sync", first,
-            tuple(block_ids[first:first + n]), tuple(hashes)))
+        self.matcher.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvmetricsConnectorMetadata:
-        loads, self._loads = self._loads, []
-        return KvmetricsConnectorMetadata(loads=loads)
+        return KvmetricsConnectorMetadata(loads=self.matcher.take_loads())
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._pending.pop(request.request_id, None)
+        self.matcher.request_finished(request)
         return False, None
 
     # -- worker side: played by kvmetrics' model runners ------------------------------
