@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from kvmetrics.engine.config import ConfigError
 from kvmetrics.engine.connector import StoreConnector, choose_load_mode
 from kvmetrics.engine.executor import EOS_TOKEN_ID, SimulatedExecutor
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.loop import EngineLoop
 from kvmetrics.engine.request import Request, RequestStatus
-from kvmetrics.engine.scheduler import ConfigError, Scheduler, SchedulerConfig
+from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
 from kvmetrics.engine.tokens import ExplicitTokens
 from kvmetrics.exporters.prometheus import PrometheusSink
 from kvmetrics.metrics import catalogue as cat

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvmetrics.engine.config import ACCOUNTINGS, POLICIES, RECOVERIES
 from kvmetrics.engine.connector import LOAD_MODES
-from kvmetrics.engine.scheduler import ACCOUNTINGS, POLICIES, RECOVERIES
 from kvmetrics.lab.synthetic import DESCRIPTIONS
 from kvmetrics.lab.traces import FORMATS
 

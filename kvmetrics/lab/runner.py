@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmetrics.engine.config import ConfigError, SchedulerConfig
 from kvmetrics.engine.faults import FaultPlan, FaultPlanError
-from kvmetrics.engine.scheduler import ConfigError, SchedulerConfig
 from kvmetrics.exporters.prometheus import MetricsServer, PrometheusSink, parse_host_port, serve
 from kvmetrics.instrument.wrapper import InstrumentedEngine
 from kvmetrics.lab import synthetic

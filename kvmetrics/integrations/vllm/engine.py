@@ -17,9 +17,9 @@ from typing import Any
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request as VllmRequest
 
+from kvmetrics.engine.config import SchedulerConfig, check_fits
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import SchedulerConfig, check_fits
 from kvmetrics.integrations.vllm import builder
 from kvmetrics.integrations.vllm.connector import register_store, unregister_store
 from kvmetrics.integrations.vllm.recorder import FINISH_REASONS
