@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.common import Row
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.kv.copy import BlockCopier
 from kvmetrics.kv.device import resolve_device
@@ -115,6 +116,23 @@ def bench_verification(device: torch.device, repeat: int) -> list[dict[str, floa
         tokens = verified[mode]
         rows.append({"mode": mode, "runner_s": t, "verified_tokens": tokens,
                      "ns_per_token": (t - base) / tokens * 1e9 if tokens else 0.0})
+    return rows
+
+
+def run(quick: bool = False, device_spec: str = "auto") -> list[Row]:
+    """The same measurements as rows of ``python -m benchmarks``' table."""
+    device = resolve_device(device_spec)
+    repeat = 3 if quick else 7
+    rows = []
+    for r in bench_loads(device, repeat):
+        rows.append(Row(f"batched load ({device.type})",
+                        f"{int(r['block_bytes'])} B blocks x {int(r['blocks'])}",
+                        r["ratio"], "x of contiguous copy", f">= {TARGET_RATIO}",
+                        r["ratio"] >= TARGET_RATIO))
+    for r in bench_verification(device, max(1, (repeat + 1) // 2)):
+        if r["mode"] != "off":
+            rows.append(Row(f"verification cost ({device.type})", r["mode"],
+                            r["ns_per_token"], "ns/verified token"))
     return rows
 
 
