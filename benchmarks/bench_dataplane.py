@@ -11,7 +11,7 @@
    the torch runner, verification ``full`` and ``sampled`` against ``off`` (the
    schedule is identical), as runner time per verified token.
 
-    python benchmarks/bench_dataplane.py [--device auto|cpu|cuda] [--repeat N]
+    python -m benchmarks.bench_dataplane [--device auto|cpu|cuda] [--repeat N]
 """
 
 from __future__ import annotations
