@@ -68,7 +68,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("data plane")
     g.add_argument("--kv-dim", type=int, default=8)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    g.add_argument("--verify", default="full", help="full (default), sampled or off")
+    g.add_argument("--verify", default="full",
+                   help="full (default), sampled or off; off runs the tensor-less executor "
+                   "(same schedule, no KV tensors), so --device and --kv-dim do not apply")
     g.add_argument("--verify-fraction", type=float, default=0.25, metavar="P",
                    help="share of requests verified per step with --verify sampled")
     g.add_argument("--seed", type=int, default=0)
