@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.lab_support import run_cli
 
@@ -87,3 +88,13 @@ def test_failed_run_keeps_earlier_output(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert out.read_text() == '{"earlier": true}\n'
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".summary")]
+
+
+def test_device_choice() -> None:
+    _assert_clean_error(run_cli("run", "--device", "tpu", "--max-requests", "3"),
+                        "unknown device 'tpu'")
+    result = run_cli("run", "--device", "cuda", "--max-requests", "3", "--json")
+    if torch.cuda.is_available():
+        assert result.returncode == 0, result.stderr
+    else:
+        _assert_clean_error(result, "no CUDA device is available")

@@ -58,11 +58,14 @@ def make_runner(cfg: LabConfig, faults: FaultPlan, store: ExternalStoreIndex | N
         return SimulatedExecutor(faults, store, eos_probability=EOS_PROBABILITY)
     from kvmetrics.kv.runner import TorchModelRunner
 
-    return TorchModelRunner(
-        block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks, store=store,
-        faults=faults, tokens=tokens, device=cfg.device, kv_dim=cfg.kv_dim,
-        verify=cfg.verify, verify_fraction=cfg.verify_fraction, seed=cfg.seed,
-        strict=cfg.strict, eos_probability=EOS_PROBABILITY)
+    try:
+        return TorchModelRunner(
+            block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks, store=store,
+            faults=faults, tokens=tokens, device=cfg.device, kv_dim=cfg.kv_dim,
+            verify=cfg.verify, verify_fraction=cfg.verify_fraction, seed=cfg.seed,
+            strict=cfg.strict, eos_probability=EOS_PROBABILITY)
+    except ValueError as e:  # e.g. --device cuda without a GPU
+        raise LabError(str(e)) from None
 
 
 class ReferenceEngine:
