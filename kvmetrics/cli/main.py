@@ -134,6 +134,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if args.output and not Path(args.output).parent.exists():
         return _fail(f"output directory {Path(args.output).parent} does not exist")
+    if args.output and Path(args.output).is_dir():
+        return _fail(f"--output {args.output} is a directory, not a file")
     cfg = LabConfig(
         engine=args.engine, workload=args.workload, trace=args.trace,
         trace_format=args.trace_format, max_requests=args.max_requests,
