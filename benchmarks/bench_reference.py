@@ -28,10 +28,12 @@ def _running_scheduler(num_requests: int, num_blocks: int, block_size: int = 16,
                           max_num_batched_tokens=max(PROMPT * num_requests, 2048),
                           max_model_len=1_000_000, kv_load_failure_policy=policy)
     sched = Scheduler(cfg)
+    # Long enough never to finish during a benchmark, short enough to fit the cache.
+    max_tokens = min((num_blocks - 1) * block_size, cfg.max_model_len) - PROMPT
     rng = random.Random(num_requests)
     for i in range(num_requests):
         sched.add_request(Request(f"r{i}", ExplicitTokens(
-            [rng.randrange(1, 50_000) for _ in range(PROMPT)]), max_tokens=900_000))
+            [rng.randrange(1, 50_000) for _ in range(PROMPT)]), max_tokens=max_tokens))
     loop = EngineLoop(sched, SimulatedExecutor())
     loop.step()
     sched.drain_events()
