@@ -16,7 +16,8 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.resources import Resource
 
 from kvmetrics import __version__
-from kvmetrics.metrics.catalogue import ALL_METRICS, MetricSpec
+from kvmetrics.metrics.catalogue import ALL_METRICS, KV_CACHE_USAGE, REQUESTS, MetricSpec
+from kvmetrics.metrics.events import GaugeReadings
 
 _UNITS = {"seconds": "s", "ratio": "1", "": "1"}
 
@@ -56,6 +57,12 @@ class OTelSink:
 
     def set(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:
         self._instruments[spec.name].set(value, self._attrs(spec, label_values))
+
+    def set_gauges(self, common: tuple[str, ...], readings: GaugeReadings) -> None:
+        self.set(KV_CACHE_USAGE, common, readings.kv_cache_usage)
+        self.set(REQUESTS, common + ("running",), readings.running)
+        self.set(REQUESTS, common + ("waiting",), readings.waiting)
+        self.set(REQUESTS, common + ("waiting_for_remote_kv",), readings.waiting_for_remote_kv)
 
     def observe(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:
         self._instruments[spec.name].record(value, self._attrs(spec, label_values))

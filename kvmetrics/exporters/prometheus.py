@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
@@ -21,9 +22,19 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
-from kvmetrics.metrics.catalogue import ALL_METRICS, BY_NAME, SERIES_OVERFLOW, MetricSpec
+from kvmetrics.metrics.catalogue import (
+    ALL_METRICS,
+    BY_NAME,
+    KV_CACHE_USAGE,
+    REQUESTS,
+    SERIES_OVERFLOW,
+    MetricSpec,
+)
+from kvmetrics.metrics.events import GaugeReadings
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9400
@@ -61,9 +72,17 @@ class PrometheusSink:
             registry = CollectorRegistry(auto_describe=True)
         self.registry = registry
         target = None if self.multiprocess else registry
+        # The per-step gauges are read at scrape time from the last readings, so a
+        # step costs one dict store instead of four locked gauge updates. In
+        # multiprocess mode the values must reach the shared files: set eagerly.
+        self._step_gauges = None if self.multiprocess else _StepGauges()
         self._metrics: dict[str, Counter | Gauge | Histogram] = {}
         for spec in ALL_METRICS:
+            if self._step_gauges is not None and spec in _STEP_GAUGES:
+                continue
             self._metrics[spec.name] = self._create(spec, target)
+        if self._step_gauges is not None:
+            registry.register(self._step_gauges)
         self._children: dict[tuple[str, tuple[str, ...]], object] = {}
         self._series: dict[str, int] = {}
         self.max_series_per_family = max_series_per_family
@@ -121,6 +140,23 @@ class PrometheusSink:
         if child is not None:
             child.set(value)
 
+    def set_gauges(self, common: tuple[str, ...], readings: GaugeReadings) -> None:
+        """The end-of-step gauges of one engine (``common``: model_name, engine)."""
+        gauges = self._step_gauges
+        if gauges is None:
+            self.set(KV_CACHE_USAGE, common, readings.kv_cache_usage)
+            self.set(REQUESTS, common + ("running",), readings.running)
+            self.set(REQUESTS, common + ("waiting",), readings.waiting)
+            self.set(REQUESTS, common + ("waiting_for_remote_kv",),
+                     readings.waiting_for_remote_kv)
+            return
+        if common not in gauges.latest and len(gauges.latest) >= self.max_series_per_family:
+            overflow = self._child(SERIES_OVERFLOW, common + (KV_CACHE_USAGE.name,))
+            if overflow is not None:
+                overflow.inc()
+            return
+        gauges.latest[common] = readings
+
     def observe(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:
         child = self._child(spec, label_values)
         if child is not None:
@@ -141,6 +177,34 @@ class PrometheusSink:
 
     def render(self) -> bytes:
         return generate_latest(self.serving_registry())
+
+
+_STEP_GAUGES = (KV_CACHE_USAGE, REQUESTS)
+
+
+class _StepGauges(Collector):
+    """Exposes each engine's last GaugeReadings when Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.latest: dict[tuple[str, ...], GaugeReadings] = {}
+
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (GaugeMetricFamily(KV_CACHE_USAGE.name, KV_CACHE_USAGE.help,
+                                  labels=KV_CACHE_USAGE.label_names),
+                GaugeMetricFamily(REQUESTS.name, REQUESTS.help, labels=REQUESTS.label_names))
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        usage, requests = self._families()
+        for common, g in dict(self.latest).items():  # a copy: steps go on meanwhile
+            usage.add_metric(list(common), g.kv_cache_usage)
+            requests.add_metric([*common, "running"], g.running)
+            requests.add_metric([*common, "waiting"], g.waiting)
+            requests.add_metric([*common, "waiting_for_remote_kv"], g.waiting_for_remote_kv)
+        yield usage
+        yield requests
 
 
 @dataclass

@@ -30,6 +30,8 @@ class InvariantChecker:
         self._recompute_excess = 0.0
         self._series: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
         self._decreased: list[tuple[str, tuple[str, ...], float, float]] = []
+        #: Whether a sum changed since the last check (most decode steps: no).
+        self._dirty = False
 
     def observe(self, spec: cat.MetricSpec, values: tuple[str, ...], amount: float,
                 exported_total: float) -> None:
@@ -40,6 +42,7 @@ class InvariantChecker:
         if exported_total < before:
             self._decreased.append((name, values, before, exported_total))
         self._series[key] = exported_total
+        self._dirty = True
         if name == _QUERIES:
             self._queries[values[0]] += amount
         elif name == _HITS:
@@ -57,11 +60,14 @@ class InvariantChecker:
         def broken(spec: cat.MetricSpec, detail: str, request_id: str | None = None) -> None:
             found.append(Violation(spec.name, "invariant", step, detail, request_id))
 
-        for source, hit in self._hits.items():
-            queried = self._queries[source]
-            if hit > queried:
-                broken(cat.PREFIX_CACHE_HIT_TOKENS,
-                       f"{source} hits {hit:g} exceed queries {queried:g}")
+        dirty = self._dirty or events.discarded_tokens
+        self._dirty = False
+        if dirty:
+            for source, hit in self._hits.items():
+                queried = self._queries[source]
+                if hit > queried:
+                    broken(cat.PREFIX_CACHE_HIT_TOKENS,
+                           f"{source} hits {hit:g} exceed queries {queried:g}")
 
         pool = events.pool
         if pool is not None:
@@ -79,16 +85,19 @@ class InvariantChecker:
                        f"rolled back from {rb.computed_before} to {rb.computed_after}",
                        rb.request_id)
 
-        self._discarded_tokens += events.discarded_tokens
-        excess = self._recomputed_after_failure - self._rolled_back - self._discarded_tokens
-        if excess > self._recompute_excess:
-            # Cumulative: report a breach when it appears or grows, not every step after.
-            broken(cat.RECOMPUTED_TOKENS,
-                   f"recomputed after load failures {self._recomputed_after_failure:g} > "
-                   f"rolled back {self._rolled_back:g} + discarded {self._discarded_tokens}")
-        self._recompute_excess = max(self._recompute_excess, excess)
+        if dirty:
+            self._discarded_tokens += events.discarded_tokens
+            excess = self._recomputed_after_failure - self._rolled_back - self._discarded_tokens
+            if excess > self._recompute_excess:
+                # Cumulative: report a breach when it appears or grows, not every step.
+                broken(cat.RECOMPUTED_TOKENS,
+                       f"recomputed after load failures {self._recomputed_after_failure:g} > "
+                       f"rolled back {self._rolled_back:g} + discarded "
+                       f"{self._discarded_tokens}")
+            self._recompute_excess = max(self._recompute_excess, excess)
 
-        for name, values, before, after in self._decreased:
-            broken(cat.spec(name), f"series {values} went from {before:g} to {after:g}")
-        self._decreased.clear()
+        if self._decreased:
+            for name, values, before, after in self._decreased:
+                broken(cat.spec(name), f"series {values} went from {before:g} to {after:g}")
+            self._decreased.clear()
         return found

@@ -65,10 +65,11 @@ class MetricsPipeline:
             # Decode-heavy steps rarely change these; skipping equal readings keeps
             # the per-step cost of instrumentation near zero.
             self._last_gauges = g
-            self._set(cat.KV_CACHE_USAGE, (), g.kv_cache_usage)
-            self._set(cat.REQUESTS, ("running",), g.running)
-            self._set(cat.REQUESTS, ("waiting",), g.waiting)
-            self._set(cat.REQUESTS, ("waiting_for_remote_kv",), g.waiting_for_remote_kv)
+            for sink in self.sinks:
+                if hasattr(sink, "set_gauges"):
+                    self._safely(sink, "set_gauges", self.common, g)
+                else:
+                    self._set_each(sink, g)
         if events.recovery_seconds is not None:
             for sink in self.sinks:
                 self._safely(sink, "observe", cat.RECOVERY_DURATION, self.common,
@@ -98,9 +99,14 @@ class MetricsPipeline:
         for sink in self.sinks:
             self._safely(sink, "inc", spec, full, amount)
 
-    def _set(self, spec: cat.MetricSpec, values: tuple[str, ...], value: float) -> None:
-        for sink in self.sinks:
-            self._safely(sink, "set", spec, self.common + values, value)
+    def _set_each(self, sink: MetricSink, g: GaugeReadings) -> None:
+        """Gauges one by one, for a sink without ``set_gauges``."""
+        c = self.common
+        self._safely(sink, "set", cat.KV_CACHE_USAGE, c, g.kv_cache_usage)
+        self._safely(sink, "set", cat.REQUESTS, c + ("running",), g.running)
+        self._safely(sink, "set", cat.REQUESTS, c + ("waiting",), g.waiting)
+        self._safely(sink, "set", cat.REQUESTS, c + ("waiting_for_remote_kv",),
+                     g.waiting_for_remote_kv)
 
     def _violate(self, violation: Violation) -> None:
         self.violations.append(violation)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from kvmetrics.metrics.catalogue import MetricSpec
+from kvmetrics.metrics.events import GaugeReadings
 
 
 class MetricSink(Protocol):
@@ -17,3 +18,7 @@ class MetricSink(Protocol):
     def observe(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None: ...
 
     def info(self, spec: MetricSpec, label_values: tuple[str, ...]) -> None: ...
+
+    def set_gauges(self, common: tuple[str, ...], readings: GaugeReadings) -> None:
+        """Optional: the end-of-step gauges at once (the pipeline falls back to ``set``)."""
+        ...
