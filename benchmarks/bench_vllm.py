@@ -139,7 +139,7 @@ def run(quick: bool = False) -> list[Row]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("vllm").setLevel(logging.ERROR)
     rows: list[Row] = []
-    steps, rounds = (10, 3) if quick else (30, 7)
+    steps, rounds = (10, 3) if quick else (50, 11)
     for n in (16, 64, 256):
         rows.extend(_overhead(n, steps, rounds))
     sizes = (1_000, 10_000) if quick else (1_000, 10_000, 100_000, 1_000_000)
