@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvmetrics.engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -31,10 +32,16 @@ class EngineLoop:
 
     def run(self, max_steps: int = 1_000_000) -> int:
         """Step until every request finished; returns the steps taken."""
-        steps = 0
-        while self.busy():
-            if steps >= max_steps:
-                raise RuntimeError(f"requests still unfinished after {max_steps} steps")
-            self.step()
-            steps += 1
-        return steps
+        return run_until_idle(self.step, self.busy, max_steps)
+
+
+def run_until_idle(step: Callable[[], object], busy: Callable[[], bool],
+                   max_steps: int = 1_000_000) -> int:
+    """Call ``step`` while ``busy()``; a bound keeps a stalled engine from spinning."""
+    steps = 0
+    while busy():
+        if steps >= max_steps:
+            raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+        step()
+        steps += 1
+    return steps

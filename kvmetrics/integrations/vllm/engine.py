@@ -19,6 +19,7 @@ from vllm.v1.request import Request as VllmRequest
 
 from kvmetrics.engine.config import SchedulerConfig, check_fits
 from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.engine.loop import run_until_idle
 from kvmetrics.engine.request import Request
 from kvmetrics.integrations.vllm import builder
 from kvmetrics.integrations.vllm.connector import register_store, unregister_store
@@ -146,13 +147,7 @@ class VllmEngine:
 
     def run(self, max_steps: int = 1_000_000) -> int:
         """Step until every request finished; returns the steps taken."""
-        steps = 0
-        while self.busy():
-            if steps >= max_steps:
-                raise RuntimeError(f"requests still unfinished after {max_steps} steps")
-            self.step()
-            steps += 1
-        return steps
+        return run_until_idle(self.step, self.busy, max_steps)
 
     def drain_events(self) -> list[StepEvents]:
         drain = getattr(self.scheduler, "drain_events", None)
