@@ -25,3 +25,26 @@ def test_vllm_has_no_historical_accounting() -> None:
     assert result.returncode == 2
     assert "needs --engine reference" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_stalled_engine_ends_the_run_with_one_line(tmp_path) -> None:
+    """vLLM 0.33's stall after an async load fails in every block (docs/vllm.md) ends
+    the lab run with exit 1 and one line; the reference engine finishes the trace."""
+    from kvmetrics.integrations.vllm.differential import random_workload
+
+    workload = random_workload(0, 40, load_mode="async", doc_blocks=(2, 4), suffix=(1, 20))
+    trace = tmp_path / "stall.jsonl"
+    trace.write_text("".join(
+        json.dumps({"id": s.request_id, "arrival_s": i * 0.04,
+                    "prompt_token_ids": list(s.tokens), "output_length": s.max_tokens}) + "\n"
+        for i, s in enumerate(workload.requests)))
+    args = ("run", "--trace", str(trace), "--block-size", "16", "--num-gpu-blocks", "12",
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--fault-mode", "async",
+            "--fault-rate", "0.5", "--verify", "off", "--json")
+    stalled = run_cli(*args, "--engine", "vllm")
+    assert stalled.returncode == 1
+    assert "the vllm engine stalled" in stalled.stderr
+    assert "Traceback" not in stalled.stderr
+    finished = run_cli(*args, "--engine", "reference")
+    assert finished.returncode == 0, finished.stderr
+    assert json.loads(finished.stdout)["requests"]["finished"] == 40
