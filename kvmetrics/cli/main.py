@@ -178,6 +178,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_soak(args: argparse.Namespace) -> int:
+    from kvmetrics.engine.config import ACCOUNTINGS, RECOVERIES
     from kvmetrics.lab.config import ENGINES, VERIFY_MODES
     from kvmetrics.lab.progress import Progress
     from kvmetrics.lab.soak import soak
@@ -188,9 +189,9 @@ def _cmd_soak(args: argparse.Namespace) -> int:
             return _fail(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if args.verify not in VERIFY_MODES:
         return _fail(f"unknown verify mode {args.verify!r}")
-    if args.accounting not in ("unified", "historical"):
+    if args.accounting not in ACCOUNTINGS:
         return _fail(f"unknown accounting {args.accounting!r}")
-    if args.recovery not in ("vllm", "evict"):
+    if args.recovery not in RECOVERIES:
         return _fail(f"unknown recovery {args.recovery!r}")
     if args.scenarios < 1:
         return _fail(f"--scenarios must be a positive integer, got {args.scenarios}")

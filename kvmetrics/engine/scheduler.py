@@ -259,17 +259,16 @@ class Scheduler:
             split = min(max(request.kv_failure_until, c), redo_end)
             events.recomputed("kv_load_failure", split - c, request.request_id)
             events.recomputed("preemption", redo_end - split, request.request_id)
-        blocks = self.kv.req_blocks[request.request_id]
+        block_ids = self.kv.req_block_ids[request.request_id]
         out.scheduled.append(ScheduledRequest(
-            request.request_id, c, n, self.kv.req_block_ids[request.request_id],
-            request.num_tokens,
+            request.request_id, c, n, block_ids, request.num_tokens,
             is_prefill=c < request.num_prompt_tokens))
         if self.connector is not None:
+            # Every block this step completes (the first may be partly computed already).
             bs = self.block_size
             for idx in range(c // bs, (c + n) // bs):
-                if (idx + 1) * bs > c:
-                    out.saves.append(BlockSave(request.request_id, idx, blocks[idx].block_id,
-                                               request.block_hashes[idx]))
+                out.saves.append(BlockSave(request.request_id, idx, block_ids[idx],
+                                           request.block_hashes[idx]))
         request.num_computed_tokens = c + n
         request.computed_high_water = max(request.computed_high_water, c + n)
         if c + n < request.num_tokens:
@@ -386,12 +385,10 @@ class Scheduler:
         self.finished_recving.discard(rid)
         self.failed_recving.discard(rid)
         self.inflight_prefills.pop(rid, None)
-        if was is RequestStatus.WAITING_FOR_REMOTE_KV and rid in self.async_loads:
-            # The transfer may still write into these blocks: keep them until the
-            # runner reports the load finished (as vLLM does), or a reallocated
-            # block could be overwritten under another request.
-            pass
-        else:
+        # A transfer still in flight may write into the blocks: keep them until the
+        # runner reports the load finished (as vLLM does), or a reallocated block
+        # could be overwritten under another request.
+        if not (was is RequestStatus.WAITING_FOR_REMOTE_KV and rid in self.async_loads):
             self.kv.free(request)
             self.requests.pop(rid, None)
         if self.connector is not None:

@@ -170,7 +170,7 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
         instrumented.flush()
         clock += 1
         executed += 1
-        done = arrived - _unfinished(engine)
+        done = arrived - engine.num_unfinished()
         progress.update(done, executed)
     progress.update(len(items), executed, force=True)
     progress.close()
@@ -188,8 +188,3 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
 
 def _arrivals_due(pending: deque[WorkItem], clock: int, cfg: LabConfig) -> bool:
     return bool(pending) and int(pending[0].arrival_s / cfg.step_seconds) <= clock + 1
-
-
-def _unfinished(engine: Any) -> int:
-    counter = getattr(engine, "num_unfinished", None)
-    return counter() if callable(counter) else 0
