@@ -32,7 +32,7 @@ def _violation_rule(folder: Path) -> Path:
     path = folder / "rules.yml"
     path.write_text(json.dumps({"groups": [{"name": "kvmetrics-test", "rules": [{
         "alert": "KVMetricsTestViolation",
-        "expr": "sum by (metric, kind) (kvmetrics_counter_violations_total) > 0",
+        "expr": "increase(kvmetrics_guard_rejected_increments_total[1m]) > 0",
     }]}]}))  # JSON is YAML
     return path
 
@@ -54,6 +54,11 @@ def test_prometheus_scrapes_the_same_totals_as_the_pipeline_during_and_after_a_r
             mid_scrape = prom.wait_for_scrape()  # a scrape that started after phase one
             with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as response:
                 healthy_page = response.read().decode()
+            # The guard's and the invariants' counters exist from the first scrape, at 0.
+            for spec in (cat.GUARD_REJECTED_INCREMENTS, cat.INVARIANT_VIOLATIONS):
+                assert prom.query_value(f"count({spec.name})") == len(
+                    cat.bounded_label_sets(spec))
+                assert prom.query_value(f"sum({spec.name})") == 0
 
             assert prom.alerts() == []
 
@@ -72,20 +77,19 @@ def test_prometheus_scrapes_the_same_totals_as_the_pipeline_during_and_after_a_r
             final = _sum_by_labels(prom)
             assert final == pipeline_counters(pipeline)
             assert final != mid_totals
-            assert final[(cat.COUNTER_VIOLATIONS.name,
-                          ("negative", "kvmetrics_prompt_tokens_total"))] == 1
+            assert final[(cat.GUARD_REJECTED_INCREMENTS.name,
+                          ("kvmetrics_prompt_tokens_total", "negative"))] == 1
             assert prom.query_value("sum(kvmetrics_recovery_duration_seconds_count)") \
                 == prom.query_value('sum(kvmetrics_recovery_duration_seconds_bucket{le="+Inf"})') \
                 > 0
             names = {item["metric"]["__name__"]
                      for item in prom.query('group by (__name__) ({__name__=~"kvmetrics_.*"})')}
-            assert {n for n in names if not n.endswith("_created")} <= cat.exported_series_names()
-            # Every counter shows up, except the overflow counter: nothing was dropped.
-            assert {s.name for s in cat.COUNTERS if s is not cat.SERIES_OVERFLOW} <= names
-            assert cat.SERIES_OVERFLOW.name not in names
+            # No _created series; every counter (overflow included) is on the page.
+            assert names <= cat.exported_series_names()
+            assert {s.name for s in cat.COUNTERS} <= names
             alert = prom.wait_for_alert("KVMetricsTestViolation")
             assert alert["labels"]["metric"] == "kvmetrics_prompt_tokens_total"
-            assert alert["labels"]["kind"] == "negative"
+            assert alert["labels"]["reason"] == "negative"
             process = prom.process
         assert process.poll() is not None  # the helper stopped the server
     finally:

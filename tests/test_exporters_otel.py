@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 
+import pytest
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AggregationTemporality
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, Sum
 from prometheus_client import CollectorRegistry, generate_latest
@@ -14,6 +16,7 @@ from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.metrics import counters_from_page, counters_from_points, pipeline_counters
+from tests.helpers.otel_names import prometheus_name
 from tests.helpers.otlp import OTLPReceiver
 from tests.helpers.runs import exporter_run
 
@@ -48,8 +51,8 @@ def test_in_memory_reader_totals_equal_the_prometheus_totals() -> None:
                                for p in metric.data.data_points]
     otel = counters_from_points(points)
     assert otel == counters_from_page(page) == pipeline_counters(pipeline)
-    assert otel[(cat.COUNTER_VIOLATIONS.name,
-                 ("negative", "kvmetrics_prompt_tokens_total"))] == 1
+    assert otel[(cat.GUARD_REJECTED_INCREMENTS.name,
+                 ("kvmetrics_prompt_tokens_total", "negative"))] == 1
     assert all(attrs["model_name"] == "opt-125m" and attrs["engine"] == "2"
                for _, attrs, _ in points)
     provider.shutdown()
@@ -89,3 +92,67 @@ def test_otlp_endpoint_is_completed_with_the_metrics_path() -> None:
     assert receiver.rejected == []
     assert receiver.cumulative_sums()[("kvmetrics_preemptions",
                                        (("engine", "0"), ("model_name", "default")))] == 5
+
+
+def _instruments() -> dict[str, tuple[str, str]]:
+    """Every instrument the OTel sink pushed: name -> (kind, unit), from the SDK's data."""
+    from opentelemetry.sdk.metrics.export import Gauge, Histogram
+
+    reader = InMemoryMetricReader()
+    provider = make_provider([reader], **RESOURCE)
+    _run(sink_for(provider))
+    found: dict[str, tuple[str, str]] = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                data = metric.data
+                if isinstance(data, Sum):
+                    kind = "counter" if data.is_monotonic else "gauge"
+                elif isinstance(data, Histogram):
+                    kind = "histogram"
+                else:
+                    assert isinstance(data, Gauge)
+                    kind = "gauge"
+                found[metric.name] = (kind, metric.unit or "")
+    provider.shutdown()
+    return found
+
+
+def test_a_collector_re_exposes_every_instrument_under_its_catalogue_name() -> None:
+    instruments = _instruments()
+    # Every family with a data point in the run (all counters exist from the start).
+    assert {s.base_name if s.kind == "counter" else s.name for s in cat.ALL_METRICS} \
+        == set(instruments)
+    translated = {prometheus_name(name, unit, kind): name
+                  for name, (kind, unit) in instruments.items()}
+    assert set(translated) == {s.name for s in cat.ALL_METRICS}
+    # The build info in particular keeps its name (unit "1" would make it ..._ratio).
+    assert instruments["kvmetrics_build_info"] == ("gauge", "")
+
+
+def test_the_naming_rules_are_the_collectors() -> None:
+    # Examples from the compatibility specification and the Collector's translator.
+    assert prometheus_name("http.server.duration", "s", "histogram") \
+        == "http_server_duration_seconds"
+    assert prometheus_name("memory.usage", "By", "gauge") == "memory_usage_bytes"
+    assert prometheus_name("requests.count", "1", "counter") == "requests_count_total"
+    assert prometheus_name("cpu.utilization", "1", "gauge") == "cpu_utilization_ratio"
+    assert prometheus_name("kvmetrics_build_info", "1", "gauge") == "kvmetrics_build_info_ratio"
+    assert prometheus_name("io", "By/s", "gauge") == "io_bytes_per_second"
+    assert prometheus_name("x_tokens", "{tokens}", "counter") == "x_tokens_total"
+
+
+def test_replicas_pushing_to_one_collector_have_distinct_instance_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def instance_id(**kwargs: str) -> str:
+        provider = make_provider([InMemoryMetricReader()], **{**RESOURCE, **kwargs})
+        value = provider._sdk_config.resource.attributes["service.instance.id"]
+        provider.shutdown()
+        return str(value)
+
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    assert instance_id(engine="0") != instance_id(engine="1")
+    assert str(os.getpid()) in instance_id()
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-a")
+    assert instance_id() == "pod-a"

@@ -31,7 +31,7 @@ def _run(runner: str = "torch", *, seed: int = 0, n: int = 24, abort_rate: float
 def _totals(engine: Engine) -> dict[str, int]:
     """Counter totals of the events the scheduler handed out (runner events merged in)."""
     names = {cat.KV_VERIFIED_TOKENS.name: "verified",
-             cat.KV_VERIFICATION_FAILURES.name: "failures",
+             cat.KV_VERIFICATION_FAILED_BLOCKS.name: "failures",
              cat.PREEMPTIONS.name: "preemptions"}
     totals = dict.fromkeys(names.values(), 0)
     for events in engine.scheduler.drain_events():

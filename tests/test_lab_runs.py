@@ -20,8 +20,8 @@ def test_default_run_is_clean() -> None:
     result = run_cli("run", "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["counter_violations"] == 0
-    assert summary["verification"]["failures"] == 0
+    assert summary["guard_rejected_increments"] == summary["invariant_violations"] == 0
+    assert summary["verification"]["failed_blocks"] == 0
     assert summary["verification"]["verified_tokens"] > 0
     assert summary["kv_load"]["blocks_failed"] > 0
     assert summary["recomputed_tokens"]["kv_load_failure"] > 0
@@ -34,16 +34,17 @@ def test_default_run_prints_a_table() -> None:
     result = run_cli("run", "--verify", "off", "--max-requests", "20")
     assert result.returncode == 0, result.stderr
     assert "local prefix hits" in result.stdout
-    assert "counter violations" in result.stdout
+    assert "guard rejected increments" in result.stdout
+    assert "invariant violations" in result.stdout
 
 
 def test_historical_accounting_counts_violations_but_completes() -> None:
     result = run_cli("run", "--verify", "off", "--json", *HISTORICAL)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["counter_violations"] > 0
+    assert summary["guard_rejected_increments"] > 0
     assert summary["requests"]["finished"] == summary["requests"]["submitted"]
-    assert "negative violation on kvmetrics_" in result.stderr
+    assert "refused negative increment of kvmetrics_" in result.stderr
 
 
 def test_strict_makes_historical_accounting_fail() -> None:

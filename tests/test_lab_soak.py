@@ -12,12 +12,12 @@ def test_short_soak_is_clean() -> None:
     report = soak(60, verify="off", seed=1000)
     assert report.scenarios == 60
     assert report.as_dict()["failing_seeds"] == []
-    assert report.errors == report.invariant_violations == report.counter_violations == 0
+    assert report.errors == report.invariant_violations == report.guard_rejected_increments == 0
 
 
 def test_historical_soak_finds_violations() -> None:
     report = soak(60, verify="off", accounting="historical", seed=1000)
-    assert report.counter_violations > 0
+    assert report.guard_rejected_increments > 0
     assert report.errors == 0
 
 
@@ -32,7 +32,7 @@ def test_soak_command() -> None:
 def test_verified_soak_finds_vllms_stale_reads_and_the_evicting_recovery_fixes_them() -> None:
     # Seed 66: policy recompute, mixed loads, preemption and aborts (docs/vllm.md).
     faithful = soak(1, verify="full", seed=66)
-    assert faithful.verification_failures > 0
-    assert faithful.invariant_violations == faithful.counter_violations == 0
+    assert faithful.verification_failed_blocks > 0
+    assert faithful.invariant_violations == faithful.guard_rejected_increments == 0
     fixed = soak(12, verify="full", seed=60, recovery="evict")
     assert fixed.as_dict()["failing_seeds"] == []

@@ -16,8 +16,8 @@ def test_vllm_run_is_verified_and_clean() -> None:
     assert summary["requests"]["finished"] == 120
     assert summary["kv_load"]["blocks_failed"] > 0
     assert summary["verification"]["verified_tokens"] > 0
-    assert summary["verification"]["failures"] == 0
-    assert summary["counter_violations"] == 0
+    assert summary["verification"]["failed_blocks"] == 0
+    assert summary["guard_rejected_increments"] == summary["invariant_violations"] == 0
 
 
 def test_vllm_has_no_historical_accounting() -> None:

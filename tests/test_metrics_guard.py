@@ -21,7 +21,8 @@ from tests.helpers.engine import build_rig, make_request, tokens
 from tests.helpers.metrics import sample
 from tests.helpers.scenarios import preemption_before_first_output
 
-VIOLATIONS = "kvmetrics_counter_violations_total"
+REJECTED = cat.GUARD_REJECTED_INCREMENTS.name
+INVARIANTS = cat.INVARIANT_VIOLATIONS.name
 
 
 class SpySink:
@@ -74,7 +75,7 @@ def test_bad_amount_is_refused_counted_and_logged(
                                 (cat.PREEMPTIONS, 2, ())))
 
     registry = prometheus_sink.registry
-    assert sample(registry, VIOLATIONS, kind=kind, metric=cat.ROLLED_BACK_TOKENS.name) == 1
+    assert sample(registry, REJECTED, reason=kind, metric=cat.ROLLED_BACK_TOKENS.name) == 1
     assert (sample(registry, "kvmetrics_rolled_back_tokens_total", mode="sync",
                    policy="fail") or 0) == 0
     assert pipeline.totals.get(cat.ROLLED_BACK_TOKENS) == 0
@@ -94,7 +95,7 @@ def test_bad_amount_raises_in_strict_mode(amount: object, kind: str) -> None:
     assert info.value.violation.kind == kind
     assert info.value.violation.metric == cat.PROMPT_TOKENS.name
     assert info.value.violation.request_id == "req-7"
-    assert pipeline.totals.get(cat.COUNTER_VIOLATIONS, kind=kind) == 1
+    assert pipeline.totals.get(cat.GUARD_REJECTED_INCREMENTS, reason=kind) == 1
 
 
 def test_exporters_only_ever_see_finite_non_negative_amounts() -> None:
@@ -105,7 +106,7 @@ def test_exporters_only_ever_see_finite_non_negative_amounts() -> None:
     assert spy.incs
     assert all(isinstance(a, int | float) and not isinstance(a, bool) and math.isfinite(a)
                and a >= 0 for _, _, a in spy.incs)
-    assert {name for name, _, _ in spy.incs} == {VIOLATIONS}
+    assert {name for name, _, _ in spy.incs} == {REJECTED}
 
 
 def test_a_raising_exporter_is_logged_once_and_the_others_still_export(
@@ -161,8 +162,8 @@ def test_the_wrapper_lets_strict_violations_through() -> None:
 # -- invariants ---------------------------------------------------------------------
 
 
-def _invariant_count(pipeline: MetricsPipeline, spec: MetricSpec) -> float:
-    return pipeline.totals.get(cat.COUNTER_VIOLATIONS, kind="invariant", metric=spec.name)
+def _invariant_count(pipeline: MetricsPipeline, invariant: str) -> float:
+    return pipeline.totals.get(cat.INVARIANT_VIOLATIONS, invariant=invariant)
 
 
 def test_pool_accounting_break_is_an_invariant_violation(prometheus_sink: PrometheusSink) -> None:
@@ -171,14 +172,14 @@ def test_pool_accounting_break_is_an_invariant_violation(prometheus_sink: Promet
     events.pool = PoolSnapshot(free_blocks=3, used_blocks=1, total_blocks=5,
                                negative_ref_counts=0)
     pipeline.record(events)
-    assert sample(prometheus_sink.registry, VIOLATIONS, kind="invariant",
-                  metric=cat.KV_CACHE_USAGE.name) == 1
+    assert sample(prometheus_sink.registry, INVARIANTS, invariant="pool_blocks_balance") == 1
 
     events = StepEvents(step=6)
     events.pool = PoolSnapshot(free_blocks=4, used_blocks=1, total_blocks=5,
                                negative_ref_counts=2)
     pipeline.record(events)
-    assert _invariant_count(pipeline, cat.KV_CACHE_USAGE) == 2
+    assert _invariant_count(pipeline, "pool_blocks_balance") == 1
+    assert _invariant_count(pipeline, "ref_counts_non_negative") == 1
 
 
 def test_rollback_beyond_the_computed_tokens_is_an_invariant_violation(
@@ -190,8 +191,8 @@ def test_rollback_beyond_the_computed_tokens_is_an_invariant_violation(
     with caplog.at_level(logging.ERROR, logger="kvmetrics.guard"):
         pipeline.record(events)
     # The negative amount (-16) is refused, and the rollback itself breaks the invariant.
-    assert pipeline.totals.get(cat.COUNTER_VIOLATIONS, kind="negative") == 1
-    assert _invariant_count(pipeline, cat.ROLLED_BACK_TOKENS) == 1
+    assert pipeline.totals.get(cat.GUARD_REJECTED_INCREMENTS, reason="negative") == 1
+    assert _invariant_count(pipeline, "rollback_within_computed") == 1
     assert any("request=req-3" in r.getMessage() and "invariant" in r.getMessage()
                for r in caplog.records)
 
@@ -201,7 +202,7 @@ def test_more_hits_than_queries_is_an_invariant_violation() -> None:
     events = StepEvents(step=1)
     events.prefix_lookup("external", "first", queried=16, hit=32, request_id="r")
     pipeline.record(events)
-    assert _invariant_count(pipeline, cat.PREFIX_CACHE_HIT_TOKENS) == 1
+    assert _invariant_count(pipeline, "hits_within_queries") == 1
     with pytest.raises(CounterViolationError, match="external hits 32 exceed queries 16"):
         MetricsPipeline(strict=True).record(events)
 
@@ -219,7 +220,7 @@ def test_recompute_beyond_rollback_and_discarded_tokens_is_an_invariant_violatio
     events = StepEvents(step=3)
     events.recomputed("kv_load_failure", 1, "r")
     pipeline.record(events)
-    assert _invariant_count(pipeline, cat.RECOMPUTED_TOKENS) == 1
+    assert _invariant_count(pipeline, "recompute_within_rollback") == 1
 
 
 def test_a_decreasing_exported_total_is_an_invariant_violation() -> None:
@@ -228,5 +229,6 @@ def test_a_decreasing_exported_total_is_an_invariant_violation() -> None:
     assert checker.check(StepEvents(step=1)) == []
     checker.observe(cat.PREEMPTIONS, (), 1, 2)  # an exporter total that went backwards
     (violation,) = checker.check(StepEvents(step=2))
-    assert (violation.kind, violation.metric) == ("invariant", cat.PREEMPTIONS.name)
+    assert (violation.kind, violation.invariant, violation.metric) == (
+        "invariant", "counters_monotonic", cat.PREEMPTIONS.name)
     assert checker.check(StepEvents(step=3)) == []  # reported once

@@ -25,7 +25,7 @@ PROMPT = cat.PROMPT_TOKENS.name
 BLOCKS, FAILED_REQS = cat.KV_LOAD_BLOCKS.name, cat.KV_LOAD_FAILED_REQUESTS.name
 ROLLED, RECOMPUTED = cat.ROLLED_BACK_TOKENS.name, cat.RECOMPUTED_TOKENS.name
 EVICTED, PREEMPTED = cat.EVICTED_BLOCKS.name, cat.PREEMPTIONS.name
-FINISHED, VIOLATIONS = cat.FINISHED_REQUESTS.name, cat.COUNTER_VIOLATIONS.name
+FINISHED = cat.FINISHED_REQUESTS.name
 
 
 def _pipeline(strict: bool = True) -> tuple[MetricsPipeline, CollectorRegistry]:
@@ -174,9 +174,10 @@ def test_historical_negative_increment_is_refused_counted_and_logged(
         rig.run()
 
     assert all(r.is_finished for r in rig.requests.values())  # the engine kept going
-    assert sample(registry, "kvmetrics_counter_violations_total", kind="negative",
+    assert sample(registry, "kvmetrics_guard_rejected_increments_total", reason="negative",
                   metric="kvmetrics_prompt_tokens_total") == 1
-    assert pipeline.totals.get(cat.COUNTER_VIOLATIONS) == 1
+    assert pipeline.totals.get(cat.GUARD_REJECTED_INCREMENTS) == 1
+    assert pipeline.totals.get(cat.INVARIANT_VIOLATIONS) == 0
     (violation,) = pipeline.violations
     assert (violation.request_id, violation.kind) == ("x", "negative")
     (record,) = [r for r in caplog.records if r.name == "kvmetrics.guard"]

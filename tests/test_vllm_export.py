@@ -114,7 +114,7 @@ def test_metric_faults_never_reach_vllm() -> None:
     sched.kvmetrics_merge(bad)
     engine.step()  # the recovery step: counted, the negative increment refused
     assert [v.kind for v in pipeline.violations] == ["negative"]
-    assert pipeline.totals.get(cat.COUNTER_VIOLATIONS, kind="negative") == 1
+    assert pipeline.totals.get(cat.GUARD_REJECTED_INCREMENTS, reason="negative") == 1
     assert pipeline.totals.get(cat.ROLLED_BACK_TOKENS) == 32
     sched._kv = Broken()  # from now on every hook faults inside kvmetrics
     engine.run()

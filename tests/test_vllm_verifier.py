@@ -72,7 +72,7 @@ def test_recompute_leaves_the_failed_block_hashed_and_it_is_read_stale() -> None
     assert {(f.request_id, f.block_index) for f in runner.findings} == {("a", 1), ("c", 1)}
     # Both requests finished normally: their outputs were computed over poisoned KV.
     assert engine.outcome("a")[0] == engine.outcome("c")[0] == "length"
-    assert pipeline.totals.get(cat.KV_VERIFICATION_FAILURES) == len(runner.findings)
+    assert pipeline.totals.get(cat.KV_VERIFICATION_FAILED_BLOCKS) == len(runner.findings)
     assert pipeline.totals.get(cat.KV_LOAD_FAILED_REQUESTS, action="rescheduled") == 1
     assert pipeline.totals.get(cat.EVICTED_BLOCKS, cause="kv_load_failure") == 0
 
@@ -83,7 +83,7 @@ def test_fail_policy_evicts_the_failed_blocks_and_nobody_reads_them() -> None:
     assert engine.outcome("c")[0] == "length"
     assert runner.findings == []
     assert pipeline.totals.get(cat.KV_VERIFIED_TOKENS) > 0
-    assert pipeline.totals.get(cat.KV_VERIFICATION_FAILURES) == 0
+    assert pipeline.totals.get(cat.KV_VERIFICATION_FAILED_BLOCKS) == 0
     assert pipeline.totals.get(cat.EVICTED_BLOCKS, cause="kv_load_failure") == 3
 
 

@@ -79,6 +79,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus metrics while running (e.g. 127.0.0.1:9400)")
     g.add_argument("--linger", type=float, default=0.0, metavar="S",
                    help="keep serving metrics this many seconds after the run")
+    g.add_argument("--wait-for-scrape", type=float, default=0.0, metavar="S",
+                   help="with --serve: start the run only after the endpoint was scraped "
+                   "once (at most S seconds), so Prometheus sees every series from 0")
     g.add_argument("--otlp-endpoint", metavar="URL",
                    help="push metrics over OTLP/HTTP (e.g. http://127.0.0.1:4318)")
     g.add_argument("--model-name", default="kvmetrics-lab", help="model_name label value")
@@ -148,7 +151,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         verify=args.verify, verify_fraction=args.verify_fraction, seed=args.seed,
         step_seconds=args.step_seconds, realtime=args.realtime, abort_rate=args.abort_rate,
         serve=args.serve,
-        linger=args.linger, otlp_endpoint=args.otlp_endpoint, strict=args.strict,
+        linger=args.linger, wait_for_scrape=args.wait_for_scrape,
+        otlp_endpoint=args.otlp_endpoint, strict=args.strict,
         model_name=args.model_name,
         progress=not args.no_progress and sys.stderr.isatty())
     try:
@@ -171,7 +175,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.output:
         _write_atomically(args.output, text + "\n")
     print(text if args.json else render_table(summary))
-    if args.strict and (summary["counter_violations"] or summary["verification"]["failures"]):
+    if args.strict and (summary["guard_rejected_increments"] or summary["invariant_violations"]
+                        or summary["verification"]["failed_blocks"]):
         print("kvmetrics: strict mode: violations or verification failures", file=sys.stderr)
         return 1
     return 0
@@ -208,8 +213,8 @@ def _cmd_soak(args: argparse.Namespace) -> int:
     else:
         for key, value in data.items():
             print(f"{key:<22} {value}")
-    clean = not (report.invariant_violations or report.counter_violations
-                 or report.verification_failures or report.errors)
+    clean = not (report.invariant_violations or report.guard_rejected_increments
+                 or report.verification_failed_blocks or report.errors)
     return 0 if clean or args.accounting == "historical" else 1
 
 

@@ -405,6 +405,7 @@ class Scheduler:
             running=len(self.running),
             waiting=len(self.waiting) + len(self.kv_holding) - waiting_remote,
             waiting_for_remote_kv=waiting_remote,
+            cache_blocks=self.pool.num_blocks - 1,
         )
         events.pool = PoolSnapshot(
             free_blocks=self.pool.num_free_blocks,

@@ -3,23 +3,32 @@
 Instrument names equal the Prometheus base names (counters without ``_total``,
 which a Prometheus-side translation adds back) and units use OTel's annotation
 form (``{tokens}``), which Prometheus translation drops, so a Collector that
-re-exposes the stream yields exactly the catalogue names.
+re-exposes the stream yields exactly the catalogue names: seconds become ``s``
+(the name already ends in ``_seconds``), the usage ratio ``1`` (its name already
+ends in ``_ratio``), and the build info has no unit at all (with ``1`` a
+Collector would rename it ``kvmetrics_build_info_ratio``).
+
+Each process is its own OTel resource with a ``service.instance.id``, so that
+replicas pushing to one Collector stay apart there (the Collector turns it into
+the ``instance`` label; ``OTEL_RESOURCE_ATTRIBUTES`` can override it).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Sequence
 
 from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
 from kvmetrics import __version__
-from kvmetrics.metrics.catalogue import ALL_METRICS, KV_CACHE_USAGE, REQUESTS, MetricSpec
+from kvmetrics.metrics.catalogue import ALL_METRICS, MetricSpec
 from kvmetrics.metrics.events import GaugeReadings
 
-_UNITS = {"seconds": "s", "ratio": "1", "": "1"}
+_UNITS = {"seconds": "s", "ratio": "1", "": ""}
 
 
 def otel_unit(spec: MetricSpec) -> str:
@@ -59,10 +68,8 @@ class OTelSink:
         self._instruments[spec.name].set(value, self._attrs(spec, label_values))
 
     def set_gauges(self, common: tuple[str, ...], readings: GaugeReadings) -> None:
-        self.set(KV_CACHE_USAGE, common, readings.kv_cache_usage)
-        self.set(REQUESTS, common + ("running",), readings.running)
-        self.set(REQUESTS, common + ("waiting",), readings.waiting)
-        self.set(REQUESTS, common + ("waiting_for_remote_kv",), readings.waiting_for_remote_kv)
+        for spec, values, value in readings.samples():
+            self.set(spec, common + values, value)
 
     def observe(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:
         self._instruments[spec.name].record(value, self._attrs(spec, label_values))
@@ -71,10 +78,21 @@ class OTelSink:
         self._instruments[spec.name].set(1, self._attrs(spec, label_values))
 
 
+def default_instance_id(engine: str) -> str:
+    """This process's identity among replicas: host, process id and engine index."""
+    return f"{socket.gethostname()}:{os.getpid()}:{engine}"
+
+
 def make_provider(readers: Sequence[MetricReader], *, model_name: str, engine: str,
-                  engine_kind: str) -> MeterProvider:
+                  engine_kind: str, instance_id: str | None = None) -> MeterProvider:
+    """A provider whose resource names this replica; an explicit ``instance_id`` wins,
+    then ``service.instance.id`` in ``OTEL_RESOURCE_ATTRIBUTES``, then host:pid:engine."""
+    if instance_id is None:
+        from_env = OTELResourceDetector().detect().attributes.get("service.instance.id")
+        instance_id = str(from_env) if from_env else default_instance_id(engine)
     resource = Resource.create({
         "service.name": "kvmetrics",
+        "service.instance.id": instance_id,
         "service.version": __version__,
         "kvmetrics.model_name": model_name,
         "kvmetrics.engine": engine,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -22,13 +22,13 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from kvmetrics.metrics.catalogue import (
     ALL_METRICS,
-    BY_NAME,
+    KV_CACHE_BLOCKS,
     KV_CACHE_USAGE,
     REQUESTS,
     SERIES_OVERFLOW,
@@ -41,8 +41,9 @@ DEFAULT_PORT = 9400
 
 #: How gauges of several processes combine in multiprocess mode: each engine
 #: process has its own ``engine`` label, so summing live processes is exact.
-_MULTIPROC_GAUGE_MODE = {"kvmetrics_kv_cache_usage_ratio": "livemax",
-                         "kvmetrics_requests": "livesum",
+_MULTIPROC_GAUGE_MODE = {KV_CACHE_USAGE.name: "livemax",
+                         KV_CACHE_BLOCKS.name: "livemax",
+                         REQUESTS.name: "livesum",
                          "kvmetrics_build_info": "livemax"}
 
 
@@ -85,6 +86,8 @@ class PrometheusSink:
             registry.register(self._step_gauges)
         self._children: dict[tuple[str, tuple[str, ...]], object] = {}
         self._series: dict[str, int] = {}
+        #: (model_name, engine) label sets with at least one admitted series.
+        self._engines: set[tuple[str, ...]] = set()
         self.max_series_per_family = max_series_per_family
 
     @staticmethod
@@ -106,23 +109,32 @@ class PrometheusSink:
             if not self._admit(spec, values, count):
                 return None
             child = self._children[key] = self._metrics[spec.name].labels(*values)
-            self._series[spec.name] = self._series.get(spec.name, 0) + 1
         return child
 
     def _admit(self, spec: MetricSpec, values: tuple[str, ...], count: bool) -> bool:
         """First sight of a label set: bounded values and room left in the family.
 
         ``count=False`` for the zero-valued series created up front: refusing those
-        drops nothing a user would miss, so it is not counted as overflow.
+        drops nothing a user would miss, so it is not counted as overflow. The
+        overflow counter's own zero series are created only for engines (model_name,
+        engine) admitted elsewhere, so a runaway engine label cannot fill that family
+        with zeros before it has anything to count; its real series may hold one per
+        family and engine label set.
         """
         common = len(values) - len(spec.labels) - len(spec.open_labels)
         own = values[common:]
-        ok = all(v in allowed for v, allowed in zip(own, spec.labels.values(), strict=False))
-        if ok and spec.open_labels == ("metric",):
-            ok = own[-1] in BY_NAME
-        # The overflow counter itself may hold one series per family per label set.
-        cap = self.max_series_per_family * (len(ALL_METRICS) if spec is SERIES_OVERFLOW else 1)
-        if ok and self._series.get(spec.name, 0) < cap:
+        if not all(v in allowed for v, allowed in zip(own, spec.labels.values(), strict=False)):
+            ok = False
+        elif spec is not SERIES_OVERFLOW:
+            ok = self._series.get(spec.name, 0) < self.max_series_per_family
+            if ok:
+                self._engines.add(values[:common])
+        elif not count:
+            return values[:common] in self._engines  # outside the cap, bounded by it
+        else:
+            ok = self._series.get(spec.name, 0) < self.max_series_per_family * len(ALL_METRICS)
+        if ok:
+            self._series[spec.name] = self._series.get(spec.name, 0) + 1
             return True
         if count and spec is not SERIES_OVERFLOW:
             overflow = self._child(SERIES_OVERFLOW, values[:common] + (spec.name,))
@@ -144,11 +156,8 @@ class PrometheusSink:
         """The end-of-step gauges of one engine (``common``: model_name, engine)."""
         gauges = self._step_gauges
         if gauges is None:
-            self.set(KV_CACHE_USAGE, common, readings.kv_cache_usage)
-            self.set(REQUESTS, common + ("running",), readings.running)
-            self.set(REQUESTS, common + ("waiting",), readings.waiting)
-            self.set(REQUESTS, common + ("waiting_for_remote_kv",),
-                     readings.waiting_for_remote_kv)
+            for spec, values, value in readings.samples():
+                self.set(spec, common + values, value)
             return
         if common not in gauges.latest and len(gauges.latest) >= self.max_series_per_family:
             overflow = self._child(SERIES_OVERFLOW, common + (KV_CACHE_USAGE.name,))
@@ -168,18 +177,25 @@ class PrometheusSink:
             child.set(1)
 
     def serving_registry(self) -> CollectorRegistry:
-        """The registry a scrape should read (all processes in multiprocess mode)."""
-        if not self.multiprocess:
-            return self.registry
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry)
-        return registry
+        """The registry a scrape should read: this sink's series (or, in multiprocess
+        mode, every process's) without the ``_created`` samples.
+
+        prometheus-client adds a ``<counter>_created`` gauge per counter series; it
+        doubles the page for nothing a kvmetrics dashboard or rule reads. It is
+        dropped here rather than with ``disable_created_metrics()``, which would also
+        change the pages of the host process's own metrics (vLLM's).
+        """
+        source = self.registry
+        if self.multiprocess:
+            source = CollectorRegistry()
+            MultiProcessCollector(source)
+        return without_created(source)
 
     def render(self) -> bytes:
         return generate_latest(self.serving_registry())
 
 
-_STEP_GAUGES = (KV_CACHE_USAGE, REQUESTS)
+_STEP_GAUGES = (KV_CACHE_USAGE, KV_CACHE_BLOCKS, REQUESTS)
 
 
 class _StepGauges(Collector):
@@ -188,23 +204,54 @@ class _StepGauges(Collector):
     def __init__(self) -> None:
         self.latest: dict[tuple[str, ...], GaugeReadings] = {}
 
-    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
-        return (GaugeMetricFamily(KV_CACHE_USAGE.name, KV_CACHE_USAGE.help,
-                                  labels=KV_CACHE_USAGE.label_names),
-                GaugeMetricFamily(REQUESTS.name, REQUESTS.help, labels=REQUESTS.label_names))
+    def _families(self) -> dict[str, GaugeMetricFamily]:
+        return {spec.name: GaugeMetricFamily(spec.name, spec.help, labels=spec.label_names)
+                for spec in _STEP_GAUGES}
 
     def describe(self) -> Iterator[GaugeMetricFamily]:
-        yield from self._families()
+        yield from self._families().values()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        usage, requests = self._families()
+        families = self._families()
         for common, g in dict(self.latest).items():  # a copy: steps go on meanwhile
-            usage.add_metric(list(common), g.kv_cache_usage)
-            requests.add_metric([*common, "running"], g.running)
-            requests.add_metric([*common, "waiting"], g.waiting)
-            requests.add_metric([*common, "waiting_for_remote_kv"], g.waiting_for_remote_kv)
-        yield usage
-        yield requests
+            for spec, values, value in g.samples():
+                families[spec.name].add_metric([*common, *values], value)
+        yield from families.values()
+
+
+def without_created(source: CollectorRegistry,
+                    scraped: threading.Event | None = None) -> CollectorRegistry:
+    """A registry serving ``source``'s families minus their ``_created`` samples.
+
+    ``scraped`` is set once the registry has been collected (by a scrape).
+    """
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_WithoutCreated(source, scraped))
+    return registry
+
+
+class _WithoutCreated(Collector):
+    """Another registry's families, minus prometheus-client's ``_created`` samples."""
+
+    def __init__(self, source: CollectorRegistry, scraped: threading.Event | None) -> None:
+        self.source = source
+        self.scraped = scraped
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            created = family.name + "_created"
+            samples = [s for s in family.samples if s.name != created]
+            if len(samples) != len(family.samples):
+                family = _copy_family(family, samples)
+            yield family
+        if self.scraped is not None:
+            self.scraped.set()
+
+
+def _copy_family(family: Metric, samples: list) -> Metric:
+    copy = Metric(family.name, family.documentation, family.type, family.unit)
+    copy.samples = samples
+    return copy
 
 
 @dataclass
@@ -220,6 +267,8 @@ class TLSOptions:
 class MetricsServer:
     server: WSGIServer
     thread: threading.Thread
+    #: Set once the endpoint has served a page.
+    scraped: threading.Event = field(default_factory=threading.Event)
 
     @property
     def port(self) -> int:
@@ -228,6 +277,10 @@ class MetricsServer:
     @property
     def host(self) -> str:
         return str(self.server.server_address[0])
+
+    def wait_for_scrape(self, timeout: float) -> bool:
+        """Block until the endpoint has served a page; False after ``timeout`` seconds."""
+        return self.scraped.wait(timeout)
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -241,15 +294,19 @@ def serve(
     port: int = DEFAULT_PORT,
     tls: TLSOptions | None = None,
 ) -> MetricsServer:
-    """Serve ``/metrics`` on ``host:port`` (loopback unless told otherwise; port 0 picks one)."""
+    """Serve ``/metrics`` on ``host:port`` (loopback unless told otherwise; port 0 picks one).
+
+    ``_created`` samples are left out (see :meth:`PrometheusSink.serving_registry`).
+    """
     tls = tls or TLSOptions()
+    scraped = threading.Event()
     server, thread = start_http_server(
-        port, addr=host, registry=registry,
+        port, addr=host, registry=without_created(registry, scraped),
         certfile=tls.certfile, keyfile=tls.keyfile,
         client_cafile=tls.client_cafile, client_capath=tls.client_capath,
         client_auth_required=tls.client_auth_required,
     )
-    return MetricsServer(server, thread)
+    return MetricsServer(server, thread, scraped)
 
 
 def parse_host_port(text: str) -> tuple[str, int]:

@@ -58,6 +58,10 @@ class LabConfig:
     abort_rate: float = 0.0
     serve: str | None = None
     linger: float = 0.0
+    #: With ``serve``: start the run only once the endpoint has been scraped (waiting at
+    #: most this many seconds), so a Prometheus sees every series at 0 before the first
+    #: event and ``increase()`` over the run is exact.
+    wait_for_scrape: float = 0.0
     otlp_endpoint: str | None = None
     strict: bool = False
     model_name: str = "kvmetrics-lab"
@@ -95,6 +99,10 @@ class LabConfig:
             raise LabError(f"--step-seconds must be > 0, got {self.step_seconds}")
         if not (math.isfinite(self.linger) and self.linger >= 0):
             raise LabError(f"--linger must be >= 0 seconds, got {self.linger}")
+        if not (math.isfinite(self.wait_for_scrape) and self.wait_for_scrape >= 0):
+            raise LabError(f"--wait-for-scrape must be >= 0 seconds, got {self.wait_for_scrape}")
+        if self.wait_for_scrape and not self.serve:
+            raise LabError("--wait-for-scrape needs --serve (nothing can scrape the run)")
 
     @property
     def store_capacity(self) -> int:

@@ -121,6 +121,10 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
         log.info("serving metrics on http://%s:%d/metrics", server.host, server.port)
 
     try:
+        if server is not None and cfg.wait_for_scrape \
+                and not server.wait_for_scrape(cfg.wait_for_scrape):
+            raise LabError(f"nothing scraped http://{server.host}:{server.port}/metrics "
+                           f"within {cfg.wait_for_scrape:g} s (--wait-for-scrape)")
         return _drive(cfg, items, instrumented, engine, pipeline, prometheus, server,
                       on_finished)
     finally:

@@ -21,22 +21,22 @@ class ScenarioOutcome:
     seed: int
     engine: str
     invariant_violations: int
-    counter_violations: int
-    verification_failures: int
+    guard_rejected_increments: int
+    verification_failed_blocks: int
     error: str | None = None
 
     @property
     def clean(self) -> bool:
-        return not (self.invariant_violations or self.counter_violations
-                    or self.verification_failures or self.error)
+        return not (self.invariant_violations or self.guard_rejected_increments
+                    or self.verification_failed_blocks or self.error)
 
 
 @dataclass
 class SoakReport:
     scenarios: int = 0
     invariant_violations: int = 0
-    counter_violations: int = 0
-    verification_failures: int = 0
+    guard_rejected_increments: int = 0
+    verification_failed_blocks: int = 0
     errors: int = 0
     wall_seconds: float = 0.0
     failures: list[ScenarioOutcome] = field(default_factory=list)
@@ -44,8 +44,8 @@ class SoakReport:
     def add(self, outcome: ScenarioOutcome) -> None:
         self.scenarios += 1
         self.invariant_violations += outcome.invariant_violations
-        self.counter_violations += outcome.counter_violations
-        self.verification_failures += outcome.verification_failures
+        self.guard_rejected_increments += outcome.guard_rejected_increments
+        self.verification_failed_blocks += outcome.verification_failed_blocks
         self.errors += outcome.error is not None
         if not outcome.clean:
             self.failures.append(outcome)
@@ -54,8 +54,8 @@ class SoakReport:
         return {
             "scenarios": self.scenarios,
             "invariant_violations": self.invariant_violations,
-            "counter_violations": self.counter_violations,
-            "verification_failures": self.verification_failures,
+            "guard_rejected_increments": self.guard_rejected_increments,
+            "verification_failed_blocks": self.verification_failed_blocks,
             "errors": self.errors,
             "wall_seconds": round(self.wall_seconds, 2),
             "failing_seeds": [f"{o.engine}:{o.seed}" for o in self.failures[:20]],
@@ -96,10 +96,10 @@ def run_scenario(seed: int, engine: str, accounting: str = "unified",
         result = run_lab(cfg)
     except Exception as e:  # a crash is a finding, reported with its seed
         return ScenarioOutcome(seed, engine, 0, 0, 0, error=f"{type(e).__name__}: {e}")
-    kinds = [v.kind for v in result.pipeline.violations]
-    invariant = sum(1 for k in kinds if k == "invariant")
-    return ScenarioOutcome(seed, engine, invariant, len(kinds) - invariant,
-                           result.summary["verification"]["failures"])
+    summary = result.summary
+    return ScenarioOutcome(seed, engine, summary["invariant_violations"],
+                           summary["guard_rejected_increments"],
+                           summary["verification"]["failed_blocks"])
 
 
 def soak(num_scenarios: int, engines: Sequence[str] = ("reference",), seed: int = 0,

@@ -39,8 +39,8 @@ class MetricSpec:
     #: can never become label values.
     labels: dict[str, tuple[str, ...]] = field(default_factory=dict)
     buckets: tuple[float, ...] = ()
-    #: Labels whose values are not enumerable up front (metric names in the
-    #: violations counter, version strings); bounded by construction instead.
+    #: Labels whose values are not enumerable up front (the version string of the
+    #: build info); bounded by construction instead.
     open_labels: tuple[str, ...] = ()
 
     @property
@@ -69,7 +69,17 @@ MODE = ("sync", "async")
 POLICY = ("recompute", "fail")
 FINISH_REASONS = ("stopped", "length", "aborted", "error")
 REQUEST_STATES = ("running", "waiting", "waiting_for_remote_kv")
-VIOLATION_KINDS = ("negative", "non_finite", "invariant")
+#: Why the guard refused an increment.
+REJECTION_REASONS = ("negative", "non_finite")
+#: The cross-metric and pool invariants of kvmetrics.metrics.invariants, by name.
+INVARIANTS = (
+    "hits_within_queries",        # prefix hits <= queries, per source (cumulative)
+    "pool_blocks_balance",        # free + used blocks == usable blocks
+    "ref_counts_non_negative",    # no block reference count below zero
+    "rollback_within_computed",   # 0 <= a rollback's new count <= its count before
+    "recompute_within_rollback",  # recomputed after failures <= rolled back + discarded
+    "counters_monotonic",         # every exported counter series is non-decreasing
+)
 
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one
 #: block fails and a cache-wide scan when thousands do.
@@ -127,8 +137,9 @@ EVICTED_BLOCKS = MetricSpec(
 )
 PREEMPTIONS = MetricSpec(
     "kvmetrics_preemptions_total", "counter",
-    "Running requests preempted because the KV cache ran out of free blocks.",
-    unit="requests",
+    "Preemptions: a running request lost its KV blocks because the cache ran out of "
+    "free blocks (events; a request preempted twice counts twice).",
+    unit="preemptions",
 )
 FINISHED_REQUESTS = MetricSpec(
     "kvmetrics_finished_requests_total", "counter",
@@ -136,28 +147,28 @@ FINISHED_REQUESTS = MetricSpec(
     "kv_load_failure_policy=fail path).",
     unit="requests", labels={"reason": FINISH_REASONS},
 )
-COUNTER_VIOLATIONS = MetricSpec(
-    "kvmetrics_counter_violations_total", "counter",
-    "Counter increments refused by the guard (negative or non-finite amounts) and "
-    "broken per-step invariants. Any increase is a bug in the engine's accounting.",
-    unit="violations", labels={"kind": VIOLATION_KINDS}, open_labels=("metric",),
-)
 KV_VERIFIED_TOKENS = MetricSpec(
     "kvmetrics_kv_verified_tokens_total", "counter",
     "Tokens of KV that the data-plane verifier compared with a clean computation "
     "before a request read them.",
     unit="tokens",
 )
-KV_VERIFICATION_FAILURES = MetricSpec(
-    "kvmetrics_kv_verification_failures_total", "counter",
-    "Reads of KV that differed from a clean computation (a request attended over "
-    "stale or poisoned KV).",
-    unit="findings",
+KV_VERIFICATION_FAILED_BLOCKS = MetricSpec(
+    "kvmetrics_kv_verification_failed_blocks_total", "counter",
+    "KV blocks whose content differed from a clean computation when a request read "
+    "them and kept its output (stale or poisoned KV; one block read by two requests "
+    "counts twice).",
+    unit="blocks",
 )
 KV_CACHE_USAGE = MetricSpec(
     "kvmetrics_kv_cache_usage_ratio", "gauge",
     "Share of KV cache blocks in use by requests, 0..1.",
     unit="ratio",
+)
+KV_CACHE_BLOCKS = MetricSpec(
+    "kvmetrics_kv_cache_blocks", "gauge",
+    "KV cache blocks the engine can allocate (the size of its cache, in blocks).",
+    unit="blocks",
 )
 REQUESTS = MetricSpec(
     "kvmetrics_requests", "gauge",
@@ -169,20 +180,14 @@ RECOVERY_DURATION = MetricSpec(
     "Wall time spent in the KV-load recovery path, per scheduler step that ran it.",
     unit="seconds", buckets=RECOVERY_BUCKETS,
 )
-SERIES_OVERFLOW = MetricSpec(
-    "kvmetrics_series_overflow_total", "counter",
-    "Metric updates the exporter dropped because they would have created a series "
-    "beyond its family's cap on label sets, or with a label value outside the catalogue "
-    "(a runaway label). Existing series keep counting.",
-    unit="updates", open_labels=("metric",),
-)
 BUILD_INFO = MetricSpec(
     "kvmetrics_build_info", "info",
     "kvmetrics version and the kind of engine it instruments (value is always 1).",
     open_labels=("version", "engine_kind"),
 )
 
-ALL_METRICS: tuple[MetricSpec, ...] = (
+#: Counters whose increments are events an engine reports, each passing the guard.
+EVENT_COUNTERS: tuple[MetricSpec, ...] = (
     PREFIX_CACHE_QUERY_TOKENS,
     PREFIX_CACHE_HIT_TOKENS,
     PROMPT_TOKENS,
@@ -193,15 +198,48 @@ ALL_METRICS: tuple[MetricSpec, ...] = (
     EVICTED_BLOCKS,
     PREEMPTIONS,
     FINISHED_REQUESTS,
-    COUNTER_VIOLATIONS,
     KV_VERIFIED_TOKENS,
-    KV_VERIFICATION_FAILURES,
+    KV_VERIFICATION_FAILED_BLOCKS,
+)
+
+GUARD_REJECTED_INCREMENTS = MetricSpec(
+    "kvmetrics_guard_rejected_increments_total", "counter",
+    "Counter increments the guard refused to pass to the client libraries, by the "
+    "counter they were meant for and why (a negative or non-finite amount). Any "
+    "increase is a bug in the engine's accounting; the engine keeps running.",
+    unit="increments",
+    labels={"metric": tuple(s.name for s in EVENT_COUNTERS), "reason": REJECTION_REASONS},
+)
+INVARIANT_VIOLATIONS = MetricSpec(
+    "kvmetrics_invariant_violations_total", "counter",
+    "Breaks of a cross-metric or block-pool invariant found after a scheduler step, "
+    "by invariant (see docs/metrics.md). Any increase is a bug in the engine or in "
+    "its instrumentation.",
+    unit="violations", labels={"invariant": INVARIANTS},
+)
+
+#: Every family but the overflow counter: the exporter caps their series and counts the
+#: updates it drops in the overflow counter.
+_CAPPED_FAMILIES: tuple[MetricSpec, ...] = (
+    *EVENT_COUNTERS,
+    GUARD_REJECTED_INCREMENTS,
+    INVARIANT_VIOLATIONS,
     KV_CACHE_USAGE,
+    KV_CACHE_BLOCKS,
     REQUESTS,
     RECOVERY_DURATION,
-    SERIES_OVERFLOW,
     BUILD_INFO,
 )
+SERIES_OVERFLOW = MetricSpec(
+    "kvmetrics_series_overflow_total", "counter",
+    "Metric updates the exporter dropped because they would have created a series "
+    "beyond its family's cap on label sets, or with a label value outside the catalogue "
+    "(a runaway label), by the family they were meant for. Existing series keep counting.",
+    unit="updates",
+    labels={"metric": tuple(s.name for s in _CAPPED_FAMILIES)},
+)
+
+ALL_METRICS: tuple[MetricSpec, ...] = (*_CAPPED_FAMILIES, SERIES_OVERFLOW)
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in ALL_METRICS}
 COUNTERS: tuple[MetricSpec, ...] = tuple(s for s in ALL_METRICS if s.kind == "counter")
@@ -211,10 +249,9 @@ def bounded_label_sets(spec: MetricSpec) -> list[tuple[str, ...]]:
     """Every value combination of a family's own labels, when they are all enumerable.
 
     Exporters create these series at zero up front, so that ``rate()`` and
-    ``increase()`` see a counter's very first increment. Families with an open
-    label get none: the violations counter in particular appears only once a
-    violation happens (its alert catches the first appearance), which also keeps
-    a healthy page free of promtool's lint on names containing "counter".
+    ``increase()`` see a counter's very first increment and an alert needs no
+    special case for a series that is born already above zero. Every counter's
+    labels are enumerable; only the build info has open labels.
     """
     if spec.open_labels:
         return []

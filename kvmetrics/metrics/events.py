@@ -38,6 +38,18 @@ class GaugeReadings:
     running: int
     waiting: int
     waiting_for_remote_kv: int
+    #: Blocks the engine can allocate (its cache size; block 0 is reserved).
+    cache_blocks: int
+
+    def samples(self) -> list[tuple[MetricSpec, tuple[str, ...], float]]:
+        """Each gauge series as (family, its own label values, value): one list for all sinks."""
+        return [
+            (cat.KV_CACHE_USAGE, (), self.kv_cache_usage),
+            (cat.KV_CACHE_BLOCKS, (), self.cache_blocks),
+            (cat.REQUESTS, ("running",), self.running),
+            (cat.REQUESTS, ("waiting",), self.waiting),
+            (cat.REQUESTS, ("waiting_for_remote_kv",), self.waiting_for_remote_kv),
+        ]
 
 
 @dataclass(slots=True)
@@ -124,9 +136,9 @@ class StepEvents:
     def finished(self, reason: str, request_id: str) -> None:
         self.count(cat.FINISHED_REQUESTS, 1, reason, request_id=request_id)
 
-    def verified(self, tokens: int, failures: int) -> None:
+    def verified(self, tokens: int, failed_blocks: int) -> None:
         self.count(cat.KV_VERIFIED_TOKENS, tokens)
-        self.count(cat.KV_VERIFICATION_FAILURES, failures)
+        self.count(cat.KV_VERIFICATION_FAILED_BLOCKS, failed_blocks)
 
     def merge(self, other: StepEvents) -> None:
         """Fold another fragment of the same step in (e.g. the data plane's part)."""

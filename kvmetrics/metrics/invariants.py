@@ -1,6 +1,7 @@
 """Per-step invariants of the design brief, checked on events and accepted increments.
 
-A break is reported as ``kind=invariant`` on the metric it concerns. The checker
+A break is reported with the invariant's catalogue name (``cat.INVARIANTS``) and
+the metric it concerns, and counted in ``kvmetrics_invariant_violations_total``. The checker
 keeps its own running sums, fed with every increment the pipeline accepts, so a
 step costs O(increments of that step), not O(series). It only reads what steps
 report, so it works the same for the reference engine and for vLLM's scheduler.
@@ -57,8 +58,10 @@ class InvariantChecker:
         found: list[Violation] = []
         step = events.step
 
-        def broken(spec: cat.MetricSpec, detail: str, request_id: str | None = None) -> None:
-            found.append(Violation(spec.name, "invariant", step, detail, request_id))
+        def broken(invariant: str, spec: cat.MetricSpec, detail: str,
+                   request_id: str | None = None) -> None:
+            found.append(Violation(spec.name, "invariant", step, detail, request_id,
+                                   invariant=invariant))
 
         dirty = self._dirty or events.discarded_tokens
         self._dirty = False
@@ -66,22 +69,22 @@ class InvariantChecker:
             for source, hit in self._hits.items():
                 queried = self._queries[source]
                 if hit > queried:
-                    broken(cat.PREFIX_CACHE_HIT_TOKENS,
+                    broken("hits_within_queries", cat.PREFIX_CACHE_HIT_TOKENS,
                            f"{source} hits {hit:g} exceed queries {queried:g}")
 
         pool = events.pool
         if pool is not None:
             if pool.free_blocks + pool.used_blocks != pool.total_blocks:
-                broken(cat.KV_CACHE_USAGE,
+                broken("pool_blocks_balance", cat.KV_CACHE_USAGE,
                        f"free {pool.free_blocks} + used {pool.used_blocks} "
                        f"!= total {pool.total_blocks}")
             if pool.negative_ref_counts:
-                broken(cat.KV_CACHE_USAGE,
+                broken("ref_counts_non_negative", cat.KV_CACHE_USAGE,
                        f"{pool.negative_ref_counts} block reference counts went negative")
 
         for rb in events.rollbacks:
             if not 0 <= rb.computed_after <= rb.computed_before:
-                broken(cat.ROLLED_BACK_TOKENS,
+                broken("rollback_within_computed", cat.ROLLED_BACK_TOKENS,
                        f"rolled back from {rb.computed_before} to {rb.computed_after}",
                        rb.request_id)
 
@@ -90,7 +93,7 @@ class InvariantChecker:
             excess = self._recomputed_after_failure - self._rolled_back - self._discarded_tokens
             if excess > self._recompute_excess:
                 # Cumulative: report a breach when it appears or grows, not every step.
-                broken(cat.RECOMPUTED_TOKENS,
+                broken("recompute_within_rollback", cat.RECOMPUTED_TOKENS,
                        f"recomputed after load failures {self._recomputed_after_failure:g} > "
                        f"rolled back {self._rolled_back:g} + discarded "
                        f"{self._discarded_tokens}")
@@ -98,6 +101,7 @@ class InvariantChecker:
 
         if self._decreased:
             for name, values, before, after in self._decreased:
-                broken(cat.spec(name), f"series {values} went from {before:g} to {after:g}")
+                broken("counters_monotonic", cat.spec(name),
+                       f"series {values} went from {before:g} to {after:g}")
             self._decreased.clear()
         return found

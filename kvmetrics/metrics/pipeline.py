@@ -22,6 +22,10 @@ from kvmetrics.metrics.totals import Totals
 log = logging.getLogger("kvmetrics.pipeline")
 
 
+#: Violations kept for reports; a long broken run keeps counting but stops keeping them.
+MAX_KEPT_VIOLATIONS = 1000
+
+
 class MetricsPipeline:
     def __init__(
         self,
@@ -38,6 +42,7 @@ class MetricsPipeline:
         self.engine_kind = engine_kind
         self.strict = strict
         self.totals = Totals()
+        #: The first MAX_KEPT_VIOLATIONS violations, in order (all are counted).
         self.violations: list[Violation] = []
         self._invariants = InvariantChecker() if check_invariants else None
         self._failed_sinks: set[tuple[int, type]] = set()
@@ -101,16 +106,16 @@ class MetricsPipeline:
 
     def _set_each(self, sink: MetricSink, g: GaugeReadings) -> None:
         """Gauges one by one, for a sink without ``set_gauges``."""
-        c = self.common
-        self._safely(sink, "set", cat.KV_CACHE_USAGE, c, g.kv_cache_usage)
-        self._safely(sink, "set", cat.REQUESTS, c + ("running",), g.running)
-        self._safely(sink, "set", cat.REQUESTS, c + ("waiting",), g.waiting)
-        self._safely(sink, "set", cat.REQUESTS, c + ("waiting_for_remote_kv",),
-                     g.waiting_for_remote_kv)
+        for spec, values, value in g.samples():
+            self._safely(sink, "set", spec, self.common + values, value)
 
     def _violate(self, violation: Violation) -> None:
-        self.violations.append(violation)
-        self._apply(cat.COUNTER_VIOLATIONS, (violation.kind, violation.metric), 1)
+        if len(self.violations) < MAX_KEPT_VIOLATIONS:
+            self.violations.append(violation)
+        if violation.is_rejection:
+            self._apply(cat.GUARD_REJECTED_INCREMENTS, (violation.metric, violation.kind), 1)
+        else:
+            self._apply(cat.INVARIANT_VIOLATIONS, (str(violation.invariant),), 1)
         report(violation, self.strict)
 
     def _safely(self, sink: MetricSink, method: str, *args: object) -> None:

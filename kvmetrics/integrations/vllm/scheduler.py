@@ -302,6 +302,7 @@ class InstrumentedMixin:
             running=len(me.running),
             waiting=len(me.waiting) + len(me.kv_holding_waiting) - remote,
             waiting_for_remote_kv=remote,
+            cache_blocks=me.kv_cache_manager.block_pool.num_gpu_blocks - 1,
         )
         pool = me.kv_cache_manager.block_pool
         if self._kv_step % POOL_AUDIT_EVERY and events.recovery_seconds is None:
