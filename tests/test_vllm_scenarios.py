@@ -170,6 +170,42 @@ def test_async_load_block_2_fails() -> None:
         == run.pipeline.totals.series()
 
 
+def test_request_level_async_failure_counts_every_block_of_its_load_failed() -> None:
+    """A connector that fails a whole request (``failed_recving``, what vLLM asks of
+    connectors whose block ids are not unique) lost all its blocks: 5 failed, none ok.
+    vLLM resets the request to 0 computed tokens and it is looked up again: the store
+    still holds the blocks, so a second async load of the same 5 blocks succeeds."""
+    prompt = list(range(2000, 2096))  # 96 tokens: the store can offer 5 blocks = 80 tokens
+    run = Run(config(), FaultPlan(), [prompt], mode="async")
+    execute = run.engine.adapter.execute
+    failed_once: set[str] = set()
+
+    def fail_whole_request(out: object, scheduler: object):
+        record = execute(out, scheduler)
+        kv_out = record.vllm_result.kv_connector_output
+        if kv_out is not None and kv_out.finished_recving and not failed_once:
+            failed_once.update(kv_out.finished_recving)
+            kv_out.failed_recving = set(kv_out.finished_recving)
+        return record
+
+    run.engine.adapter.execute = fail_whole_request  # type: ignore[method-assign]
+    run.add("a", prompt)
+    run.step()  # admitted, waiting for the async load of 80 tokens
+    run.step()  # the transfer reports finished, and the request failed as a whole
+    assert failed_once == {"a"}
+    assert run.computed[1]["a"] == 0
+    assert run.total(cat.KV_LOAD_BLOCKS, mode="async", outcome="failed") == 5
+    assert run.total(cat.KV_LOAD_BLOCKS, mode="async", outcome="ok") == 0
+    assert run.total(cat.ROLLED_BACK_TOKENS, mode="async", policy="recompute") == 80
+    assert run.total(cat.KV_LOAD_FAILED_REQUESTS, mode="async", policy="recompute",
+                     action="rescheduled") == 1
+    run.run()
+    assert run.engine.outcome("a")[0] == "length"
+    assert run.total(cat.KV_LOAD_BLOCKS, mode="async", outcome="failed") == 5
+    assert run.total(cat.KV_LOAD_BLOCKS, mode="async", outcome="ok") == 5
+    assert run.total(cat.PREFIX_CACHE_QUERY_TOKENS, source="external", admission="repeat") == 96
+
+
 def test_failed_block_shared_by_two_requests_is_recomputed_by_one() -> None:
     other = PROMPT[:48] + list(range(5000, 5016))
     faults = FaultPlan(scripted=(ScriptedFailure(1, request_id="a"),))

@@ -11,7 +11,7 @@ request fields updated at different times. Semantics follow
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from kvmetrics.metrics.events import StepEvents
@@ -140,8 +140,15 @@ class StepRecorder:
 
     # -- output ---------------------------------------------------------------------
 
-    def loads_done(self, output_key: int, invalid: set[int], finished_recving: set[str]) -> None:
-        """Count load outcomes (reference: ``_count_loads``)."""
+    def loads_done(self, output_key: int, invalid: set[int], finished_recving: set[str],
+                   failed_recving: Collection[str] = ()) -> None:
+        """Count load outcomes (reference: ``_count_loads``).
+
+        A request in ``failed_recving`` (a connector failing a whole request's load,
+        the path vLLM recommends when block ids are not unique) lost every block of
+        its load: they count as failed at once, and a later ``finished_recving`` for
+        it counts nothing more.
+        """
         ev = self.events
         for block_ids in self.sync_loads.pop(output_key, ()):
             failed = sum(1 for b in block_ids if b in invalid)
@@ -149,6 +156,10 @@ class StepRecorder:
         if invalid:
             for load in self.async_loads.values():
                 load.failed.update(load.block_ids & invalid)
+        for rid in failed_recving:
+            load = self.async_loads.pop(rid, None)
+            if load is not None:
+                ev.loaded_blocks("async", 0, len(load.block_ids))
         for rid in finished_recving:
             load = self.async_loads.pop(rid, None)
             if load is not None:

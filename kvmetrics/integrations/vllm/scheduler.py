@@ -269,9 +269,12 @@ class InstrumentedMixin:
     @_guarded
     def _kv_before_output(self, scheduler_output: Any, model_runner_output: Any) -> None:
         kv_out = model_runner_output.kv_connector_output
-        invalid = set(kv_out.invalid_block_ids) if kv_out is not None else set()
-        recving = set(kv_out.finished_recving or ()) if kv_out is not None else set()
-        self._kv.loads_done(id(scheduler_output), invalid, recving)
+        if kv_out is None:
+            self._kv.loads_done(id(scheduler_output), set(), set())
+            return
+        self._kv.loads_done(id(scheduler_output), set(kv_out.invalid_block_ids),
+                            set(kv_out.finished_recving or ()),
+                            set(getattr(kv_out, "failed_recving", None) or ()))
 
     def _kv_end_step(self) -> None:
         self._kv_step += 1
