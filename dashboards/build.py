@@ -43,18 +43,22 @@ def dashboard_dict(module: Any = kv_cache_recovery) -> dict[str, Any]:
     return json.loads(render(module))
 
 
-def all_queries() -> list[tuple[str, str]]:
-    """(panel title, PromQL expr) for every target of every dashboard, in panel order.
+def all_targets() -> list[tuple[str, str, str]]:
+    """(panel title, legend format, PromQL expr) of every target of every dashboard,
+    in panel order, built afresh from the builder modules.
 
     Exprs still hold Grafana variables: pass them through
     :func:`dashboards.queries.substitute_grafana_vars` before running them.
     """
-    queries: list[tuple[str, str]] = []
-    for module in DASHBOARDS.values():
-        for panel in dashboard_dict(module).get("panels", []):
-            for target in panel.get("targets", []):
-                queries.append((panel["title"], target["expr"]))
-    return queries
+    return [(panel["title"], target.get("legendFormat", ""), target["expr"])
+            for module in DASHBOARDS.values()
+            for panel in dashboard_dict(module).get("panels", [])
+            for target in panel.get("targets", [])]
+
+
+def all_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL expr) for every target of every dashboard, in panel order."""
+    return [(title, expr) for title, _, expr in all_targets()]
 
 
 _LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>\w+)\)$", re.DOTALL)

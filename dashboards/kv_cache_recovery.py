@@ -30,7 +30,6 @@ from dashboards.queries import (
     sel,
     sum_rate,
     target_sel,
-    zero_if_absent,
 )
 from kvmetrics.metrics import catalogue as c
 
@@ -48,33 +47,22 @@ _FAILED_REQ = c.KV_LOAD_FAILED_REQUESTS.name
 _ROLLED = c.ROLLED_BACK_TOKENS.name
 _RECOMPUTED = c.RECOMPUTED_TOKENS.name
 _EVICTED = c.EVICTED_BLOCKS.name
-_VIOLATIONS = c.COUNTER_VIOLATIONS.name
-
-
-def _events(name: str, **labels: str) -> str:
-    """Rate of a rarely incremented counter, 0 (not "No data") while the engine runs.
-
-    Such counters have no series until their first event; prompt tokens are
-    counted by every running engine, so they tell a quiet engine from a dead one.
-    """
-    return zero_if_absent(sum_rate(name, **labels), sum_rate(_PROMPT))
+_REJECTED = c.GUARD_REJECTED_INCREMENTS.name
+_INVARIANTS = c.INVARIANT_VIOLATIONS.name
+#: The labels that tell one replica's series from another's (with data parallelism,
+#: one engine of one replica): kept wherever a panel shows a per-engine state.
+_REPLICA = ("job", "instance", "model_name", "engine")
 
 
 def _hit_ratio(source: str) -> str:
-    return ratio(sum_rate(_HIT, source=source), sum_rate(_QUERY, source=source))
+    """Hit ratio of first admissions (re-admissions look their own KV up again)."""
+    return ratio(sum_rate(_HIT, source=source, admission="first"),
+                 sum_rate(_QUERY, source=source, admission="first"))
 
 
-def _violations_in_range() -> str:
-    """Violations within the dashboard's time range, including a series' first ones.
-
-    The violations counter has an open ``metric`` label, so its series appear only
-    when the first violation happens, often already above zero; ``increase`` needs
-    two samples and would miss that first jump. A series absent at the start of the
-    range contributes its whole value instead.
-    """
-    new_series = f"({sel(_VIOLATIONS)} unless {sel(_VIOLATIONS)} offset $__range)"
-    total = f"sum(\n{new_series}\nor\nincrease({sel(_VIOLATIONS)}[$__range])\n)"
-    return zero_if_absent(total, f"count({sel(c.BUILD_INFO.name)})")
+def _in_range(name: str) -> str:
+    """Increments within the dashboard's time range (the series exist from 0 at start)."""
+    return f"sum(increase({sel(name)}[$__range]))"
 
 
 def summary_stats() -> Panels:
@@ -82,39 +70,47 @@ def summary_stats() -> Panels:
     return [
         p.single_stat(
             "Local prefix hit ratio",
-            "Share of prompt tokens looked up in the local prefix cache that were found.",
+            "Share of prompt tokens looked up in the local prefix cache that were found, at "
+            "first admission. No data while nothing is looked up.",
             p.RATIO, _hit_ratio("local"), steps=p.HIGHER_BETTER,
         ),
         p.single_stat(
             "External prefix hit ratio",
-            "Share of prompt tokens offered to the KV connector that it matched. Hits are "
-            "counted when matched, even if the load later fails.",
+            "Share of prompt tokens offered to the KV connector that it matched, at first "
+            "admission; counted when matched, even if the load later fails. No data without "
+            "a connector.",
             p.RATIO, _hit_ratio("external"), steps=p.HIGHER_BETTER,
         ),
         p.single_stat(
             "Failed KV load blocks",
             "External KV blocks whose load failed, per second (all modes).",
-            p.BLOCKS_PER_S, _events(_BLOCKS, outcome="failed"),
+            p.BLOCKS_PER_S, sum_rate(_BLOCKS, outcome="failed"),
             steps=((None, "green"), (1e-9, "yellow"), (1, "red")),
         ),
         p.single_stat(
             "Rolled-back tokens",
             "Computed tokens the recovery path took back, per second.",
-            p.TOKENS_PER_S, _events(_ROLLED),
-            steps=((None, "green"), (1e-9, "yellow"), (1000, "red")),
+            p.TOKENS_PER_S, sum_rate(_ROLLED),
+            steps=((None, "green"), (1e-9, "yellow"), (1000, "red")), width=3,
         ),
         p.single_stat(
             "Recompute waste",
             "Tokens computed again (after failed loads or preemption) as a share of prompt "
             "tokens of first prefills. Can exceed 100% when decode tokens are lost too.",
             p.RATIO, ratio(sum_rate(_RECOMPUTED), sum_rate(_PROMPT)),
-            steps=((None, "green"), (0.05, "yellow"), (0.2, "red")),
+            steps=((None, "green"), (0.05, "yellow"), (0.2, "red")), width=3,
         ),
         p.single_stat(
-            "Counter violations",
-            "Counter increments the guard refused and broken invariants in the selected time "
-            "range. Any value above zero is an accounting bug: see the runbook.",
-            p.COUNT, _violations_in_range(), steps=p.ANY_IS_BAD, instant=True,
+            "Guard rejections",
+            "Counter increments the guard refused (negative or non-finite) in the selected "
+            "time range. Any value above zero is an accounting bug: see the runbook.",
+            p.COUNT, _in_range(_REJECTED), steps=p.ANY_IS_BAD, instant=True, width=3,
+        ),
+        p.single_stat(
+            "Invariant violations",
+            "Broken cross-metric or block-pool invariants in the selected time range. Any "
+            "value above zero means the figures of that engine cannot be trusted.",
+            p.COUNT, _in_range(_INVARIANTS), steps=p.ANY_IS_BAD, instant=True, width=3,
         ),
     ]
 
@@ -152,7 +148,7 @@ def prefix_caching() -> Panels:
 
 
 def kv_loads_and_recovery() -> Panels:
-    failed_by_mode = sum_rate(_BLOCKS, by=("mode",), outcome="failed")
+    failed_by_mode = sum_rate(_BLOCKS, by=("instance", "mode"), outcome="failed")
     return [
         p.time_series(
             "KV load blocks by mode and outcome",
@@ -162,10 +158,12 @@ def kv_loads_and_recovery() -> Panels:
             width=8,
         ),
         p.time_series(
-            "KV load failure ratio by mode",
-            "Failed blocks over all finished external block loads.",
+            "KV load failure ratio by replica and mode",
+            "Failed blocks over all finished external block loads, per replica (the "
+            "KVMetricsKVLoadFailureRatioHigh alert judges each replica on its own).",
             p.RATIO,
-            [(ratio(failed_by_mode, sum_rate(_BLOCKS, by=("mode",))), "{{mode}}")],
+            [(ratio(failed_by_mode, sum_rate(_BLOCKS, by=("instance", "mode"))),
+              "{{instance}} {{mode}}")],
             steps=((None, "green"), (0.01, "yellow"), (0.05, "red")), max_value=1, width=8,
         ),
         p.time_series(
@@ -210,6 +208,8 @@ def kv_loads_and_recovery() -> Panels:
 
 
 def evictions() -> Panels:
+    turnover = ratio(f"{sum_rate(_EVICTED, by=_REPLICA, cause='capacity')} * 300",
+                     f"sum by ({', '.join(_REPLICA)}) ({sel(c.KV_CACHE_BLOCKS.name)})")
     return [
         p.time_series(
             "Evicted blocks by cause",
@@ -217,20 +217,28 @@ def evictions() -> Panels:
             "kv_load_failure (failed block and its chained successors), reset.",
             p.BLOCKS_PER_S,
             [(sum_rate(_EVICTED, by=("cause",)), "{{cause}}")],
-            stacked=True,
+            stacked=True, width=8,
         ),
         p.time_series(
             "Evictions caused by failed loads",
             "Share of evicted blocks that a failed KV load removed.",
             p.RATIO,
             [(ratio(sum_rate(_EVICTED, cause="kv_load_failure"), sum_rate(_EVICTED)), "share")],
-            steps=((None, "green"), (0.05, "yellow"), (0.25, "red")), max_value=1,
+            steps=((None, "green"), (0.05, "yellow"), (0.25, "red")), max_value=1, width=8,
+        ),
+        p.time_series(
+            "Cache turnover per 5 minutes",
+            "Blocks evicted for capacity in 5 minutes over the cache's size, per engine: "
+            "above 1 while the engine preempts is thrashing (KVMetricsEvictionThrashing).",
+            p.NONE,
+            [(turnover, "{{instance}} engine {{engine}}")],
+            steps=((None, "green"), (1, "yellow")), width=8,
         ),
     ]
 
 
 def scheduler_state() -> Panels:
-    usage = f"max by (model_name, engine) ({sel(c.KV_CACHE_USAGE.name)})"
+    usage = f"max by ({', '.join(_REPLICA)}) ({sel(c.KV_CACHE_USAGE.name)})"
     return [
         p.time_series(
             "Requests by state",
@@ -241,18 +249,18 @@ def scheduler_state() -> Panels:
         ),
         p.time_series(
             "KV cache usage",
-            "Share of KV cache blocks in use by requests, per engine.",
+            "Share of KV cache blocks in use by requests, per engine of each replica.",
             p.RATIO,
-            [(usage, "{{model_name}} engine {{engine}}")],
+            [(usage, "{{instance}} {{model_name}} engine {{engine}}")],
             steps=((None, "green"), (0.8, "yellow"), (0.95, "red")), max_value=1, width=8,
         ),
         p.time_series(
             "Preemptions and finished requests",
-            "Preempted requests and finished requests by reason (error includes requests "
-            "failed by kv_load_failure_policy=fail).",
-            p.REQ_PER_S,
+            "Preemptions (events) and finished requests by reason (error includes requests "
+            "failed by kv_load_failure_policy=fail), per second.",
+            p.PER_S,
             [
-                (_events(c.PREEMPTIONS.name), "preempted"),
+                (sum_rate(c.PREEMPTIONS.name), "preemptions"),
                 (sum_rate(c.FINISHED_REQUESTS.name, by=("reason",)), "finished {{reason}}"),
             ],
             width=8,
@@ -269,19 +277,11 @@ def verification() -> Panels:
             [(sum_rate(c.KV_VERIFIED_TOKENS.name), "verified")],
         ),
         p.time_series(
-            "KV verification failures",
-            "Reads of KV that differed from a clean computation: a request attended over "
-            "stale or poisoned KV. Any value is an incident.",
-            p.FINDINGS_PER_S,
-            [
-                (
-                    zero_if_absent(
-                        sum_rate(c.KV_VERIFICATION_FAILURES.name),
-                        sum_rate(c.KV_VERIFIED_TOKENS.name),
-                    ),
-                    "failures",
-                )
-            ],
+            "KV verification failed blocks",
+            "KV blocks that differed from a clean computation when a request read them and "
+            "kept its output (stale or poisoned KV). Any value is an incident.",
+            p.BLOCKS_PER_S,
+            [(sum_rate(c.KV_VERIFICATION_FAILED_BLOCKS.name), "failed blocks")],
             steps=p.ANY_IS_BAD,
         ),
     ]
@@ -315,8 +315,7 @@ def exporter_health() -> Panels:
             "family's cap or with a label value outside the catalogue. Any value means a "
             "runaway label (e.g. a request id used as engine).",
             "count:updates/s",
-            [(zero_if_absent(sum_rate(c.SERIES_OVERFLOW.name, by=("metric",)),
-                             sum_rate(_PROMPT)), "{{metric}}")],
+            [(sum_rate(c.SERIES_OVERFLOW.name, by=("metric",)), "{{metric}}")],
             steps=p.ANY_IS_BAD, width=6,
         ),
         p.time_series(
@@ -361,8 +360,13 @@ def _variables() -> list[cogbuilder.Builder[VariableModel]]:
         dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus"),
         label_values("model_name", "Model", f"label_values({build_info}, model_name)", ".*"),
         label_values(
+            "instance", "Replica",
+            f'label_values({build_info}{{model_name=~"$model_name"}}, instance)', ".*",
+        ),
+        label_values(
             "engine", "Engine",
-            f'label_values({build_info}{{model_name=~"$model_name"}}, engine)', ".*",
+            f'label_values({build_info}{{model_name=~"$model_name", instance=~"$instance"}}, '
+            "engine)", ".*",
         ),
         # No ".*" for "All": it must expand to the listed jobs only, or the health
         # panels would show every target in Prometheus.

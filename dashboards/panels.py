@@ -23,9 +23,9 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 RATIO = "percentunit"
 SECONDS = "s"
 REQ_PER_S = "reqps"
+PER_S = "count:/s"
 TOKENS_PER_S = "count:tokens/s"
 BLOCKS_PER_S = "count:blocks/s"
-FINDINGS_PER_S = "count:findings/s"
 COUNT = "short"
 NONE = "none"
 

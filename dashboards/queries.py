@@ -10,13 +10,14 @@ of ``outcome="failed"`` would silently match nothing).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from kvmetrics.metrics import catalogue
 
-#: Matchers applied to every kvmetrics selector, so that one dashboard serves
-#: several models and data-parallel engines sharing one Prometheus.
-FILTER = 'model_name=~"$model_name", engine=~"$engine"'
+#: Matchers applied to every kvmetrics selector, so that one dashboard serves a
+#: fleet: several models, replicas (``instance``; every replica's engine is "0")
+#: and data-parallel engines sharing one Prometheus.
+FILTER = 'model_name=~"$model_name", instance=~"$instance", engine=~"$engine"'
 
 #: Series Prometheus writes itself for every scrape target. They carry no
 #: ``model_name``/``engine`` labels, so they are filtered by ``job`` instead (the
@@ -31,6 +32,7 @@ GRAFANA_VARS: dict[str, str] = {
     "__interval": "1m",
     "__range": "1h",
     "model_name": ".*",
+    "instance": ".*",
     "engine": ".*",
     "job": ".*",
     "datasource": "prometheus",
@@ -44,8 +46,9 @@ _FAMILY: dict[str, catalogue.MetricSpec] = {
 }
 
 
-def substitute_grafana_vars(expr: str) -> str:
-    """Replace Grafana variables by values that make ``expr`` plain PromQL.
+def substitute_grafana_vars(expr: str, values: Mapping[str, str] = GRAFANA_VARS) -> str:
+    """Replace Grafana variables by ``values`` (default: :data:`GRAFANA_VARS`), which
+    makes ``expr`` plain PromQL.
 
     Unknown variables raise, so that a typo such as ``$modelname`` fails a test
     instead of reaching Prometheus as a literal.
@@ -54,7 +57,7 @@ def substitute_grafana_vars(expr: str) -> str:
     def repl(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(2)
         try:
-            return GRAFANA_VARS[name]
+            return values[name]
         except KeyError:
             raise ValueError(f"unknown Grafana variable ${name} in {expr!r}") from None
 
@@ -101,20 +104,14 @@ def sum_rate(name: str, by: Iterable[str] = (), **labels: str) -> str:
     return f"sum{_by(by)} (rate({sel(name, **labels)}[$__rate_interval]))"
 
 
-def zero_if_absent(expr: str, reference: str) -> str:
-    """``expr``, or 0 wherever ``reference`` has data but ``expr`` has no series.
-
-    A labelled counter's series is created by its first increment: until a load
-    fails there is no ``outcome="failed"`` series, and a panel over it would say
-    "No data" although the truthful answer is 0. The reference (e.g. the rate of
-    all loads) decides where 0 is true, so a dead exporter still shows no data.
-    """
-    return f"(\n{expr}\nor\n{reference} * 0\n)"
-
-
 def ratio(numerator: str, denominator: str) -> str:
-    """``numerator / denominator``: 0, not NaN or +Inf, when idle or nothing counted yet."""
-    return f"{zero_if_absent(numerator, denominator)}\n/\nclamp_min({denominator}, 1e-9)"
+    """``numerator / denominator``, with no data (not 0, not NaN) where the denominator is 0.
+
+    A ratio of nothing looked up is undefined: shown as 0 it would colour a panel red
+    forever (the external hit ratio of a server without a connector). Every counter
+    series exists from the exporter's start, so the numerator needs no fallback.
+    """
+    return f"{numerator}\n/\n({denominator} > 0)"
 
 
 def quantile(q: float, spec: catalogue.MetricSpec, by: Iterable[str] = ()) -> str:

@@ -52,7 +52,7 @@ def test_variables() -> None:
     variables = {v["name"]: v for v in BOARD["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("model_name", "engine"):
+    for name in ("model_name", "instance", "engine"):
         var = variables[name]
         assert var["type"] == "query"
         assert var["multi"] and var["includeAll"]
@@ -71,9 +71,9 @@ def test_rows() -> None:
     assert rows == [title for title, _ in kv_cache_recovery.ROWS]
 
 
-def test_top_row_is_six_stats() -> None:
+def test_top_row_is_seven_stats() -> None:
     top = [panel for panel in PANELS if panel["gridPos"]["y"] == 0]
-    assert [panel["type"] for panel in top] == ["stat"] * 6
+    assert [panel["type"] for panel in top] == ["stat"] * 7
     assert sum(panel["gridPos"]["w"] for panel in top) == 24
 
 
@@ -116,8 +116,25 @@ def test_query_is_filtered(title: str, expr: str) -> None:
         if selector.name in TARGET_SERIES:
             assert ("job", "=~") in matchers, selector.name
         else:
-            assert {("model_name", "=~"), ("engine", "=~")} <= matchers, selector.name
-    assert expr.count('model_name=~"$model_name"') == expr.count('engine=~"$engine"')
+            assert {("model_name", "=~"), ("instance", "=~"), ("engine", "=~")} <= matchers, \
+                selector.name
+    assert expr.count('model_name=~"$model_name"') == expr.count('engine=~"$engine"') \
+        == expr.count('instance=~"$instance"')
+
+
+@pytest.mark.parametrize(("title", "expr"), QUERIES, ids=[t for t, _ in QUERIES])
+def test_ratios_show_no_data_rather_than_zero(title: str, expr: str) -> None:
+    # A denominator of 0 (nothing looked up, nothing loaded) must drop the point, not
+    # turn into a clamped 0 that colours the panel red.
+    assert "clamp_min" not in expr
+    for part in expr.split("\n/\n")[1:]:
+        assert part.startswith("(") and part.rstrip().endswith("> 0)"), part
+
+
+def test_hit_ratio_stats_use_first_admissions() -> None:
+    for title in ("Local prefix hit ratio", "External prefix hit ratio"):
+        (expr,) = [e for t, e in QUERIES if t == title]
+        assert expr.count('admission="first"') == 2, expr
 
 
 @pytest.mark.parametrize(("title", "expr"), QUERIES, ids=[t for t, _ in QUERIES])
