@@ -63,9 +63,13 @@ def test_malformed_kvmetrics_record(tmp_path: Path) -> None:
     (["--fault-rate", "1.5"], "fault rate must be within 0..1"),
     (["--fault-rate", "-0.1"], "fault rate must be within 0..1"),
     (["--num-gpu-blocks", "4"], "blocks of 16 tokens but the cache holds 3"),
-    (["--engine", "tpu"], "unknown engine 'tpu'"),
-    (["--policy", "retry"], "unknown policy 'retry'"),
-    (["--workload", "poetry"], "unknown workload 'poetry'"),
+    (["--engine", "tpu"], "argument --engine: invalid choice: 'tpu'"),
+    (["--policy", "retry"], "argument --policy: invalid choice: 'retry'"),
+    (["--workload", "poetry"], "argument --workload: invalid choice: 'poetry'"),
+    (["--verify", "some"], "argument --verify: invalid choice: 'some'"),
+    (["--linger", "5"], "--linger needs --serve"),
+    (["--verify-fraction", "0.5"], "--verify-fraction needs --verify sampled"),
+    (["--report", "/nonexistent-dir/r.html"], "output directory /nonexistent-dir does not"),
     (["--serve", "localhost"], "expected HOST:PORT"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["--max-requests", "many"], "invalid int value"),
@@ -92,9 +96,46 @@ def test_failed_run_keeps_earlier_output(tmp_path: Path) -> None:
 
 def test_device_choice() -> None:
     _assert_clean_error(run_cli("run", "--device", "tpu", "--max-requests", "3"),
-                        "unknown device 'tpu'")
+                        "argument --device: invalid choice: 'tpu'")
     result = run_cli("run", "--device", "cuda", "--max-requests", "3", "--json")
     if torch.cuda.is_available():
         assert result.returncode == 0, result.stderr
     else:
         _assert_clean_error(result, "no CUDA device is available")
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["soak", "--engines", "reference,tpu"], "unknown engine 'tpu'"),
+    (["soak", "--accounting", "new"], "argument --accounting: invalid choice: 'new'"),
+    (["soak", "--shard", "4/4"], "shard must be I/N with 0 <= I < N"),
+    (["soak", "--shard", "x"], "shard must be I/N"),
+    (["soak", "--jobs", "0"], "--jobs must be a positive integer or auto"),
+    (["soak", "--scenarios", "2", "--shard", "0/3"], "shard 0/3 of 2 scenarios is empty"),
+    (["report", "/nonexistent.json"], "cannot read /nonexistent.json"),
+    (["soak-merge", "/nonexistent.json"], "cannot read /nonexistent.json"),
+    (["catalogue", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_other_commands_refuse_bad_input(args: list[str], needle: str) -> None:
+    _assert_clean_error(run_cli(*args), needle)
+
+
+def test_verify_fraction_with_sampled_is_accepted() -> None:
+    result = run_cli("run", "--verify", "sampled", "--verify-fraction", "0.5",
+                     "--max-requests", "5", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["config"]["verify_fraction"] == 0.5
+
+
+def test_engine_without_vllm_installed_is_one_line() -> None:
+    """vLLM made unimportable in the process: --engine vllm is still listed (its entry
+    point exists) but refused with one line that says what to install."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['vllm'] = None; from kvmetrics.cli.main import main; "
+            "sys.exit(main(['run', '--engine', 'vllm', '--verify', 'off', "
+            "'--max-requests', '3']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    _assert_clean_error(result, "--engine vllm is not available", "vLLM is not installed",
+                        "light CPU-only install")

@@ -21,11 +21,13 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "exporters": ({"exporters", "metrics"}, {"prometheus_client", "opentelemetry"}),
     "instrument": ({"instrument", "metrics"}, set()),
     "kv": ({"kv", "engine", "metrics"}, {"torch"}),
-    "lab": ({"lab", "engine", "metrics", "exporters", "instrument", "kv", "integrations"},
-            set()),
+    # Not "integrations": engines register through an entry point (test below).
+    "lab": ({"lab", "engine", "metrics", "exporters", "instrument", "kv"},
+            {"rich", "matplotlib"}),
     "integrations": ({"integrations", "lab", "engine", "metrics", "exporters", "instrument",
                       "kv"}, {"vllm", "prometheus_client", "opentelemetry", "torch"}),
     "cli": ({"cli", "lab", "engine", "metrics", "kv_errors"}, set()),
+    "kv_errors.py": (set(), set()),
 }
 STDLIB = set(sys.stdlib_module_names)
 
@@ -44,7 +46,8 @@ def _imports(path: Path) -> set[str]:
 def test_every_module_imports_only_its_allowed_layers() -> None:
     problems = []
     for layer, (layers, third_party) in ALLOWED.items():
-        for path in (PACKAGE / layer).rglob("*.py"):
+        root = PACKAGE / layer
+        for path in (root.rglob("*.py") if root.is_dir() else [root]):
             for name in _imports(path):
                 top = name.split(".")[0]
                 if top == "kvmetrics":
@@ -64,3 +67,22 @@ def test_importing_the_engine_loads_no_heavy_dependency() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_lab_engines_come_from_the_entry_point_group() -> None:
+    """The vLLM lab engine is declared in pyproject.toml and found through the installed
+    metadata; a reference run loads no integration at all."""
+    import tomllib
+
+    declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"][
+        "entry-points"]["kvmetrics.lab_engines"]
+    assert declared == {"vllm": "kvmetrics.integrations.vllm.lab:VllmLabEngine"}
+    code = ("import sys; from kvmetrics.lab.engines import engine_names, load_engine; "
+            "from kvmetrics.lab.config import LabConfig; from kvmetrics.lab.runner import "
+            "run_lab; run_lab(LabConfig(verify='off', max_requests=3, progress=False)); "
+            "print(engine_names(), any(m.startswith('kvmetrics.integrations') "
+            "for m in sys.modules)); "
+            "print(load_engine('vllm').__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["('reference', 'vllm') False", "kvmetrics.integrations.vllm.lab"]

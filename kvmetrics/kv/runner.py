@@ -64,6 +64,7 @@ from kvmetrics.kv.cache import KVCache
 from kvmetrics.kv.copy import BlockCopier
 from kvmetrics.kv.device import resolve_device, resolve_dtype
 from kvmetrics.kv.ground_truth import GroundTruth, PrefixDigestCache, TokenSource
+from kvmetrics.kv.provenance import Attribution, Provenance
 from kvmetrics.kv.store import HostKVStore
 from kvmetrics.kv.verify import Finding, KVVerificationError, VerifySelector, findings_from_mask
 from kvmetrics.metrics.events import StepEvents
@@ -151,6 +152,9 @@ class TorchModelRunner:
                                     pin_memory=self.device.type == "cuda")
             self.transfers = _StagingTracker(faults or FaultPlan(), store, async_delay_steps)
         self.findings: list[Finding] = []
+        #: What the data plane knows about each finding's bad KV (same order as findings).
+        self.attributions: list[Attribution] = []
+        self.provenance = Provenance()
         self.stats = RunnerStats()
         self._seeds: dict[str, int] = {}
         #: Async loads in flight: outcome id -> (block ids, rows staged on the device).
@@ -175,9 +179,12 @@ class TorchModelRunner:
         for rid in out.finished_req_ids:  # first: a finished id may be reused at once
             self.digests.drop(rid)
             self._seeds.pop(rid, None)
+        self.provenance.note(out.step, out.preempted_req_ids, out.finished_req_ids)
         result = ModelRunnerOutput()
         bad_requests = self._load(out, result)
         segments = segments_of(out, result.invalid_block_ids, self.block_size, self.select)
+        if self.provenance.active:
+            self._trace_writes(segments, result.invalid_block_ids, out.step)
         self.stats.discarded_reads += sum(seg.discarded for seg in segments)
         step_findings, verified_tokens = self._forward_and_verify(segments, out.step)
         if self.save_policy == "discard-aware":
@@ -188,6 +195,8 @@ class TorchModelRunner:
         self.stats.steps += 1
         self.stats.findings += len(step_findings)
         self.findings.extend(step_findings)
+        self.attributions.extend(self.provenance.attribute(f.block_id, f.step)
+                                 for f in step_findings)
         events = StepEvents(step=out.step)
         events.verified(verified_tokens, len(step_findings))
         result.events = events
@@ -212,6 +221,7 @@ class TorchModelRunner:
                 bad_requests.add(outcome.spec.request_id)
             pairs.extend(outcome.copy)
             failed.extend(outcome.failed)
+            self._trace_load(out.step, outcome)
         self._stage_async()
         ids: list[torch.Tensor] = []
         rows: list[torch.Tensor] = []
@@ -219,6 +229,7 @@ class TorchModelRunner:
             result.invalid_block_ids.update(outcome.failed)
             result.finished_recving.add(outcome.spec.request_id)
             failed.extend(outcome.failed)
+            self._trace_load(out.step, outcome)
             staged = self._staged.pop(id(outcome), None)
             if staged is not None:
                 ids.append(staged[0])
@@ -235,6 +246,31 @@ class TorchModelRunner:
             self.cache.poison_blocks(torch.tensor(failed, dtype=torch.int64))
             self.stats.poisoned_blocks += len(failed)
         return bad_requests
+
+    def _trace_load(self, step: int, outcome: LoadOutcome) -> None:
+        """Provenance of the blocks a load lands in (clean, from a tainted slot, failed)."""
+        spec = outcome.spec
+        prov = self.provenance
+        index = {b: spec.first_index + i for i, b in enumerate(spec.block_ids)}
+        for block in outcome.failed:
+            prov.failed_load(block, step, spec.request_id, index[block])
+        if prov.active:
+            for block, slot in outcome.copy:
+                prov.loaded(block, slot, step, spec.request_id, index[block])
+
+    def _trace_writes(self, segments: list[Segment], invalid: set[int], step: int) -> None:
+        """Taint what discarded segments wrote; clear blocks others wholly rewrote."""
+        prov = self.provenance
+        bs = self.block_size
+        for seg in segments:
+            if seg.discarded and self.taint_discarded:
+                read = next((prov.blocks.get(b) for b in seg.block_ids[:-(-seg.computed // bs)]
+                             if b in invalid), None)
+                for idx in range(seg.computed // bs, -(-seg.end // bs)):
+                    prov.discarded_write(seg.block_ids[idx], step, seg.request_id, idx, read)
+            elif prov.blocks:
+                for idx in range(-(-seg.computed // bs), seg.end // bs):
+                    prov.rewritten(seg.block_ids[idx])
 
     def _stage_async(self) -> None:
         """Read the store for the async loads started now: one gather for all of them."""
@@ -287,6 +323,9 @@ class TorchModelRunner:
             block_of_slot[self.store.insert(save.block_hash)] = save.block_id
         if not block_of_slot:
             return
+        if self.provenance.active:
+            for slot, block in block_of_slot.items():
+                self.provenance.saved(slot, block)
         slots = torch.tensor(list(block_of_slot), dtype=torch.int64)
         blocks = torch.tensor(list(block_of_slot.values()), dtype=torch.int64)
         self.host.scatter(slots, self.cache.read_blocks(blocks))

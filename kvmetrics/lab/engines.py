@@ -1,12 +1,21 @@
-"""The engines a lab run can drive, behind one small surface.
+"""The engines a lab run can drive, behind one small surface, and where they come from.
 
 A lab engine takes :class:`WorkItem`s, steps, and hands out the step events of
 its scheduler; the data plane (or the tensor-less executor when verification is
 off) plays the model.
+
+The reference engine is built in. Other engines register under the entry point
+group :data:`ENTRY_POINT_GROUP` (kvmetrics' own ``pyproject.toml`` declares
+``vllm = "kvmetrics.integrations.vllm.lab:VllmLabEngine"``), so the lab never
+imports an integration: it loads one only when a run asks for it by name. An
+entry point names a class (or factory) taking ``(LabConfig, SchedulerConfig,
+FaultPlan)`` and returning a :class:`LabEngine`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol
 
 from kvmetrics.engine.connector import StoreConnector
@@ -111,12 +120,37 @@ class ReferenceEngine:
         return list(getattr(self.runner, "findings", []))
 
 
-def build_engine(cfg: LabConfig, sched_cfg: SchedulerConfig, faults: FaultPlan) -> LabEngine:
-    if cfg.engine == "reference":
-        return ReferenceEngine(cfg, sched_cfg, faults)
+ENTRY_POINT_GROUP = "kvmetrics.lab_engines"
+
+EngineFactory = Callable[[LabConfig, SchedulerConfig, FaultPlan], LabEngine]
+BUILTIN: dict[str, EngineFactory] = {"reference": ReferenceEngine}
+
+
+def _registered() -> dict[str, EntryPoint]:
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)
+            if ep.name not in BUILTIN}
+
+
+def engine_names() -> tuple[str, ...]:
+    """Every engine a run may ask for: the built-in one, then the registered ones."""
+    return (*BUILTIN, *sorted(_registered()))
+
+
+def load_engine(name: str) -> EngineFactory:
+    """The factory of engine ``name``; a missing engine or dependency is a LabError."""
+    factory = BUILTIN.get(name)
+    if factory is not None:
+        return factory
+    registered = _registered()
+    ep = registered.get(name)
+    if ep is None:
+        raise LabError(f"unknown engine {name!r} (choose from {', '.join(engine_names())})")
     try:
-        from kvmetrics.integrations.vllm.lab import VllmLabEngine
+        return ep.load()
     except ImportError as e:
-        raise LabError(f"--engine vllm needs vLLM installed ({e}); see README "
-                       "'vLLM integration' for the light install") from None
-    return VllmLabEngine(cfg, sched_cfg, faults)
+        # The integration's own message says what to install (e.g. vLLM's light install).
+        raise LabError(f"--engine {name} is not available: {e}") from None
+
+
+def build_engine(cfg: LabConfig, sched_cfg: SchedulerConfig, faults: FaultPlan) -> LabEngine:
+    return load_engine(cfg.engine)(cfg, sched_cfg, faults)

@@ -1,35 +1,56 @@
-"""A dependency-free progress bar on stderr, redrawn at most ten times a second."""
+"""A progress bar on stderr (rich's), only when stderr is a terminal.
+
+Callers update it every step; it passes an update on to rich at most ten times a
+second, so the lab loop pays a clock read per step and nothing more. Off a
+terminal it draws nothing, so logs and piped output stay plain.
+"""
 
 from __future__ import annotations
 
-import sys
 import time
-from typing import TextIO
+from typing import Any
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool = True, stream: TextIO | None = None) -> None:
+    def __init__(self, total: int, enabled: bool = True, unit: str = "requests") -> None:
         self.total = max(total, 1)
-        self.stream = stream or sys.stderr
         self.enabled = enabled
-        self.start = time.monotonic()
+        self.unit = unit
         self._last = 0.0
+        self._bar: Any = None
+        self._task: Any = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+            from rich.progress import Progress as RichProgress
 
-    def update(self, done: int, step: int, note: str = "", force: bool = False) -> None:
-        if not self.enabled:
+            self._bar = RichProgress(
+                TextColumn("[progress.description]{task.description}"), BarColumn(),
+                MofNCompleteColumn(), TextColumn(unit), TimeElapsedColumn(),
+                TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[note]}"),
+                console=Console(stderr=True), transient=False)
+            self._task = self._bar.add_task("kvmetrics", total=self.total, note="")
+            self._bar.start()
+
+    def update(self, done: int, step: int | None = None, note: str = "",
+               force: bool = False) -> None:
+        if self._bar is None:
             return
         now = time.monotonic()
         if not force and now - self._last < 0.1:
             return
         self._last = now
-        width = 30
-        filled = int(width * min(done, self.total) / self.total)
-        bar = "#" * filled + "-" * (width - filled)
-        self.stream.write(f"\r[{bar}] {done}/{self.total} requests  step {step}  "
-                          f"{now - self.start:5.1f}s  {note}\033[K")
-        self.stream.flush()
+        text = " ".join(part for part in (f"step {step}" if step is not None else "", note)
+                        if part)
+        self._bar.update(self._task, completed=min(done, self.total), note=text)
 
     def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None

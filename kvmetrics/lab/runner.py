@@ -7,7 +7,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvmetrics.engine.config import ConfigError, SchedulerConfig
@@ -17,8 +17,10 @@ from kvmetrics.instrument.wrapper import InstrumentedEngine
 from kvmetrics.lab import synthetic
 from kvmetrics.lab.config import LabConfig, LabError
 from kvmetrics.lab.engines import build_engine
+from kvmetrics.lab.findings import explain_findings, explain_violations
 from kvmetrics.lab.progress import Progress
 from kvmetrics.lab.summary import build_summary
+from kvmetrics.lab.timeline import TimelineSink
 from kvmetrics.lab.traces import load_trace
 from kvmetrics.lab.workload import WorkItem
 from kvmetrics.metrics.pipeline import MetricsPipeline
@@ -41,6 +43,24 @@ class LabResult:
     pipeline: MetricsPipeline
     prometheus: PrometheusSink
     findings: list[Any] = field(default_factory=list)
+    timeline: TimelineSink | None = None
+    config: LabConfig | None = None
+
+    def document(self) -> dict[str, Any]:
+        """The run as one JSON document: the summary, the configuration and the timeline
+        (what ``--output`` writes and ``kvmetrics report`` reads)."""
+        doc = dict(self.summary)
+        if self.config is not None:
+            doc["config"] = config_dict(self.config)
+        if self.timeline is not None:
+            doc["timeline"] = self.timeline.as_dict()
+        return doc
+
+
+def config_dict(cfg: LabConfig) -> dict[str, Any]:
+    """The settings that shape a run (not how it is watched: progress, serving, OTLP)."""
+    skip = {"progress", "serve", "linger", "otlp_endpoint", "realtime"}
+    return {k: v for k, v in asdict(cfg).items() if k not in skip}
 
 
 def load_items(cfg: LabConfig) -> list[WorkItem]:
@@ -100,7 +120,8 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
     engine = build_engine(cfg, sched_cfg, faults)
 
     prometheus = PrometheusSink()
-    sinks: list[Any] = [prometheus]
+    timeline = TimelineSink()
+    sinks: list[Any] = [prometheus, timeline]
     provider = None
     if cfg.otlp_endpoint:
         from kvmetrics.exporters.otel import make_provider, otlp_reader, sink_for
@@ -125,8 +146,8 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
                 and not server.wait_for_scrape(cfg.wait_for_scrape):
             raise LabError(f"nothing scraped http://{server.host}:{server.port}/metrics "
                            f"within {cfg.wait_for_scrape:g} s (--wait-for-scrape)")
-        return _drive(cfg, items, instrumented, engine, pipeline, prometheus, server,
-                      on_finished)
+        return _drive(cfg, items, instrumented, engine, pipeline, prometheus, timeline,
+                      server, on_finished)
     finally:
         engine.close()
         if provider is not None:
@@ -137,12 +158,37 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
 
 def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngine,
            engine: Any, pipeline: MetricsPipeline, prometheus: PrometheusSink,
-           server: MetricsServer | None,
+           timeline: TimelineSink, server: MetricsServer | None,
            on_finished: Callable[[LabResult], None] | None) -> LabResult:
+    progress = Progress(len(items), enabled=cfg.progress)
+    aborted: dict[str, int] = {}
+    try:
+        executed, wall = _loop(cfg, items, instrumented, engine, timeline, progress, aborted)
+    finally:
+        progress.close()
+    summary = build_summary(pipeline.totals, engine=engine.kind, submitted=len(items),
+                            wall_seconds=wall, steps=executed)
+    runner = getattr(engine, "runner", None)
+    summary["findings"] = explain_findings(cfg, engine.findings,
+                                           getattr(runner, "attributions", ()), aborted)
+    summary["violations"] = explain_violations(pipeline.violations)
+    result = LabResult(summary, pipeline, prometheus, engine.findings, timeline, cfg)
+    if on_finished is not None:
+        on_finished(result)
+    if server is not None and cfg.linger > 0:
+        log.info("run finished; serving metrics for %.1f more seconds", cfg.linger)
+        time.sleep(cfg.linger)
+    return result
+
+
+def _loop(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngine,
+          engine: Any, timeline: TimelineSink, progress: Progress,
+          aborted: dict[str, int]) -> tuple[int, float]:
+    """Feed arrivals and aborts, step until idle; returns (steps executed, wall seconds).
+    ``aborted`` receives the requests the lab aborted, with the step."""
     pending = deque(sorted(items, key=lambda it: it.arrival_s))
     aborts_after = _abort_schedule(cfg, items)
     abort_at: dict[int, list[str]] = {}
-    progress = Progress(len(items), enabled=cfg.progress)
     start = time.monotonic()
     clock = 0  # virtual step, advanced by executed and skipped steps
     executed = 0
@@ -159,7 +205,8 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
             if delay is not None:
                 abort_at.setdefault(clock + delay, []).append(item.request_id)
         for rid in abort_at.pop(clock, ()):
-            engine.abort(rid)
+            if engine.abort(rid):
+                aborted[rid] = executed + 1
         if cfg.realtime:
             lag = start + executed * cfg.step_seconds - time.monotonic()
             if lag > 0:
@@ -174,20 +221,11 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
         instrumented.flush()
         clock += 1
         executed += 1
+        timeline.close_step(executed)
         done = arrived - engine.num_unfinished()
         progress.update(done, executed)
     progress.update(len(items), executed, force=True)
-    progress.close()
-    wall = time.monotonic() - start
-    summary = build_summary(pipeline.totals, engine=engine.kind, submitted=len(items),
-                            wall_seconds=wall, steps=executed)
-    result = LabResult(summary, pipeline, prometheus, engine.findings)
-    if on_finished is not None:
-        on_finished(result)
-    if server is not None and cfg.linger > 0:
-        log.info("run finished; serving metrics for %.1f more seconds", cfg.linger)
-        time.sleep(cfg.linger)
-    return result
+    return executed, time.monotonic() - start
 
 
 def _arrivals_due(pending: deque[WorkItem], clock: int, cfg: LabConfig) -> bool:

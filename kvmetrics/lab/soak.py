@@ -3,63 +3,39 @@
 Each scenario is fully described by its seed, so a failure prints the one
 command that reproduces it. Invariant breaks, guard refusals and verifier
 findings are tallied separately; in the unified accounting all must stay zero.
+
+A campaign scales out two ways, both giving exactly the report of one process
+except for wall time: ``jobs`` runs scenarios in worker processes (results are
+taken in seed order), and a :class:`Shard` runs a deterministic contiguous slice
+of the seed range so that a batch system (``deploy/kubernetes/soak-job.yaml``)
+can spread a campaign over machines; :func:`merge_reports` puts the shards'
+reports back together (:mod:`kvmetrics.lab.soak_report`).
 """
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
+import os
 import random
+import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 
 from kvmetrics.lab.config import LabConfig
 from kvmetrics.lab.runner import run_lab
+from kvmetrics.lab.soak_report import (
+    Campaign,
+    ScenarioOutcome,
+    Shard,
+    SoakReport,
+    SoakReportError,
+    merge_reports,
+)
 
-
-@dataclass
-class ScenarioOutcome:
-    seed: int
-    engine: str
-    invariant_violations: int
-    guard_rejected_increments: int
-    verification_failed_blocks: int
-    error: str | None = None
-
-    @property
-    def clean(self) -> bool:
-        return not (self.invariant_violations or self.guard_rejected_increments
-                    or self.verification_failed_blocks or self.error)
-
-
-@dataclass
-class SoakReport:
-    scenarios: int = 0
-    invariant_violations: int = 0
-    guard_rejected_increments: int = 0
-    verification_failed_blocks: int = 0
-    errors: int = 0
-    wall_seconds: float = 0.0
-    failures: list[ScenarioOutcome] = field(default_factory=list)
-
-    def add(self, outcome: ScenarioOutcome) -> None:
-        self.scenarios += 1
-        self.invariant_violations += outcome.invariant_violations
-        self.guard_rejected_increments += outcome.guard_rejected_increments
-        self.verification_failed_blocks += outcome.verification_failed_blocks
-        self.errors += outcome.error is not None
-        if not outcome.clean:
-            self.failures.append(outcome)
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "scenarios": self.scenarios,
-            "invariant_violations": self.invariant_violations,
-            "guard_rejected_increments": self.guard_rejected_increments,
-            "verification_failed_blocks": self.verification_failed_blocks,
-            "errors": self.errors,
-            "wall_seconds": round(self.wall_seconds, 2),
-            "failing_seeds": [f"{o.engine}:{o.seed}" for o in self.failures[:20]],
-        }
+__all__ = ["Campaign", "ScenarioOutcome", "Shard", "SoakReport", "SoakReportError",
+           "merge_reports", "run_scenario", "scenario_config", "soak"]
 
 
 def scenario_config(seed: int, engine: str, accounting: str, verify: str,
@@ -96,23 +72,68 @@ def run_scenario(seed: int, engine: str, accounting: str = "unified",
         result = run_lab(cfg)
     except Exception as e:  # a crash is a finding, reported with its seed
         return ScenarioOutcome(seed, engine, 0, 0, 0, error=f"{type(e).__name__}: {e}")
-    summary = result.summary
-    return ScenarioOutcome(seed, engine, summary["invariant_violations"],
-                           summary["guard_rejected_increments"],
-                           summary["verification"]["failed_blocks"])
+    kinds = [v.kind for v in result.pipeline.violations]
+    invariant = sum(1 for k in kinds if k == "invariant")
+    return ScenarioOutcome(seed, engine, invariant, len(kinds) - invariant,
+                           result.summary["verification"]["failures"])
+
+
+Task = tuple[int, str, str, str, str]
+
+
+def _tasks(campaign: Campaign, seeds: range) -> list[Task]:
+    return [(seed, engine, campaign.accounting, campaign.verify,
+             campaign.recovery if engine == "reference" else "vllm")
+            for seed in seeds for engine in campaign.engines]
+
+
+def _quiet() -> None:
+    """Findings are tallied, not logged."""
+    for name in ("kvmetrics", "vllm"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _init_worker() -> None:
+    # One intra-op thread per worker: N workers on N cores, not N x N threads.
+    # Torch is not imported yet in a fresh (spawned) worker, so this takes effect.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+    _quiet()
+
+
+def _run_task(task: Task) -> ScenarioOutcome:
+    return run_scenario(*task)
+
+
+def _outcomes(tasks: list[Task], jobs: int) -> Iterator[ScenarioOutcome]:
+    if jobs <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            yield _run_task(task)
+        return
+    # spawn, not fork: a forked child of a process that already ran torch's thread
+    # pools can deadlock, and spawn behaves the same on every platform.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context,
+                             initializer=_init_worker) as pool:
+        # map() yields in task order, so the report does not depend on scheduling.
+        yield from pool.map(_run_task, tasks, chunksize=1)
 
 
 def soak(num_scenarios: int, engines: Sequence[str] = ("reference",), seed: int = 0,
          accounting: str = "unified", verify: str = "full",
          on_progress: Callable[[SoakReport], None] | None = None,
-         recovery: str = "vllm") -> SoakReport:
-    report = SoakReport()
+         recovery: str = "vllm", *, jobs: int = 1, shard: Shard | None = None) -> SoakReport:
+    """Run the campaign's scenarios (``shard``: only its slice) in ``jobs`` processes."""
+    campaign = Campaign(num_scenarios, seed, tuple(engines), accounting, verify, recovery)
+    shard = shard or Shard(0, 1)
+    seeds = shard.seeds(campaign)
+    report = SoakReport(campaign, shard)
     start = time.monotonic()
-    for i in range(num_scenarios):
-        for engine in engines:
-            report.add(run_scenario(seed + i, engine, accounting, verify,
-                                    recovery if engine == "reference" else "vllm"))
-        if on_progress is not None:
+    for i, outcome in enumerate(_outcomes(_tasks(campaign, seeds), jobs), start=1):
+        report.add(outcome)
+        if on_progress is not None and i % len(campaign.engines) == 0:
             on_progress(report)
     report.wall_seconds = time.monotonic() - start
     return report

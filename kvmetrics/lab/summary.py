@@ -63,10 +63,10 @@ def build_summary(totals: Totals, *, engine: str, submitted: int, wall_seconds: 
     }
 
 
-def render_table(summary: dict[str, Any]) -> str:
-    """A compact human table of the summary (the JSON form has every field)."""
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary as (name, value) rows: the text table's and the HTML report's."""
     r, p, k = summary["requests"], summary["prefix_cache"], summary["kv_load"]
-    rows = [
+    return [
         ("engine", summary["engine"]),
         ("requests", f"{r['submitted']} submitted, {r['finished']} finished, "
                      f"{r['failed']} failed, {r['aborted']} aborted"),
@@ -87,5 +87,58 @@ def render_table(summary: dict[str, Any]) -> str:
                             f"({summary['verification']['failed_blocks']} failed blocks)"),
         ("steps / wall time", f"{summary['steps']} / {summary['wall_seconds']:.2f} s"),
     ]
+
+
+def explanation_lines(summary: dict[str, Any]) -> list[str]:
+    """Plain sentences about the findings and violations (empty for a clean run)."""
+    lines: list[str] = []
+    f = summary.get("findings") or {}
+    if f.get("reads"):
+        lines.append(f"stale KV: {f['reads']} bad reads by {f['requests']} request(s) in "
+                     f"{f['blocks']} block(s), first at step {f['first_step']}")
+        for c in f["causes"]:
+            lines.append(f"  {c['reads']} read(s), {c['requests']} request(s), {c['blocks']} "
+                         f"block(s) from step {c['first_step']}: {c['explanation']}")
+            lines.append(f"    e.g. {c['example']}")
+            if c["docs"]:
+                lines.append(f"    see {c['docs']}")
+            if c["avoid"]:
+                lines.append(f"    avoid it with {c['avoid']}")
+    for v in summary.get("violations") or ():
+        what = "invariant violated" if v["kind"] == "invariant" else f"{v['kind']} increment " \
+            "rejected by the guard"
+        who = f", first request {v['first_request']}" if v["first_request"] else ""
+        lines.append(f"{what} on {v['metric']}: {v['count']} time(s), first at step "
+                     f"{v['first_step']}{who}")
+        lines.append(f"    e.g. {v['examples'][0]}")
+    return lines
+
+
+def render_table(summary: dict[str, Any], rich: bool = False) -> str:
+    """A compact human table of the summary (the JSON form has every field), then what
+    the findings and violations mean. ``rich``: box-drawn, for a terminal."""
+    rows = summary_rows(summary)
+    notes = explanation_lines(summary)
+    if rich:
+        return _rich_table(rows, notes)
     width = max(len(name) for name, _ in rows)
-    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+    return text + ("\n\n" + "\n".join(notes) if notes else "")
+
+
+def _rich_table(rows: list[tuple[str, str]], notes: list[str]) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
+    table.add_column(style="bold")
+    table.add_column()
+    for name, value in rows:
+        table.add_row(name, value)
+    console = Console(record=True, width=120, force_terminal=True)
+    with console.capture() as capture:
+        console.print(table)
+        for line in notes:
+            console.print(line, style="red" if not line.startswith(" ") else None,
+                          highlight=False, markup=False)
+    return capture.get().rstrip("\n")

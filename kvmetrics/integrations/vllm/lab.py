@@ -1,4 +1,8 @@
-"""The lab's ``--engine vllm``: vLLM's real scheduler driven by the lab's data plane."""
+"""The lab's ``--engine vllm``: vLLM's real scheduler driven by the lab's data plane.
+
+Registered with the lab through the ``kvmetrics.lab_engines`` entry point group
+(``pyproject.toml``); the lab loads this module only when a run asks for it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,12 @@ from typing import Any
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.integrations.vllm.engine import VllmEngine
+
+try:
+    from kvmetrics.integrations.vllm.engine import VllmEngine
+except ImportError as e:  # the lab shows this message as its one-line error
+    raise ImportError(f"vLLM is not installed ({e}); see README 'vLLM integration' for the "
+                      "light CPU-only install") from e
 from kvmetrics.lab.config import LabConfig, LabError
 from kvmetrics.lab.engines import make_request, make_runner
 from kvmetrics.lab.workload import WorkItem

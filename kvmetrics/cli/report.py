@@ -1,0 +1,51 @@
+"""``kvmetrics report``: the HTML report of a run saved with ``kvmetrics run --output``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from kvmetrics.cli.common import Command, check_output_path, fail, write_atomically
+
+
+def _add(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", metavar="RUN.json", help="a run saved by `kvmetrics run --output`")
+    p.add_argument("-o", "--output", metavar="FILE.html",
+                   help="where to write the report (default: RUN.json with .html)")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvmetrics.lab.report import ReportInputError, ReportUnavailable, render_report
+
+    target = args.output or str(Path(args.run).with_suffix(".html"))
+    problem = check_output_path(target)
+    if problem:
+        return fail(f"--output: {problem}")
+    try:
+        with open(args.run, encoding="utf-8") as handle:
+            document = json.load(handle)
+    except OSError as e:
+        return fail(f"cannot read {args.run}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        return fail(f"{args.run}: not JSON ({e.msg} at line {e.lineno})")
+    try:
+        page = render_report(document)
+    except ReportInputError as e:
+        return fail(f"{args.run}: {e}")
+    except ReportUnavailable as e:
+        return fail(str(e))
+    write_atomically(target, page)
+    print(target)
+    return 0
+
+
+COMMAND = Command(
+    "report", "write the HTML report of a saved run", _add, _run,
+    description="Chart a run saved with `kvmetrics run --output RUN.json` as one "
+    "self-contained HTML file (opens offline: no script, no network fetch).",
+    examples=(
+        "kvmetrics run --output run.json && kvmetrics report run.json   # writes run.html",
+        "kvmetrics report run.json -o /tmp/report.html",
+        "kvmetrics run --report run.html     # the same in one go",
+    ))

@@ -1,0 +1,186 @@
+"""``kvmetrics run``: one lab run, its summary, and optionally a JSON file and an HTML report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvmetrics.cli.common import (
+    Command,
+    check_output_path,
+    fail,
+    stderr_is_tty,
+    stdout_is_tty,
+    write_atomically,
+)
+
+#: Used when ``--verify sampled`` is given without ``--verify-fraction``.
+DEFAULT_VERIFY_FRACTION = 0.25
+
+
+def _add(p: argparse.ArgumentParser) -> None:
+    from kvmetrics.engine.config import ACCOUNTINGS, POLICIES, RECOVERIES
+    from kvmetrics.engine.connector import LOAD_MODES
+    from kvmetrics.lab.config import DEVICES, VERIFY_MODES
+    from kvmetrics.lab.engines import engine_names
+    from kvmetrics.lab.synthetic import DESCRIPTIONS
+    from kvmetrics.lab.traces import FORMATS
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--engine", default="reference", choices=engine_names(),
+                   help="engine to drive (default reference; vllm needs vLLM installed)")
+    g.add_argument("--workload", default="mixed", choices=tuple(DESCRIPTIONS),
+                   help="synthetic workload (see `kvmetrics workloads`); default mixed")
+    g.add_argument("--trace", metavar="PATH", help="replay a trace file instead")
+    g.add_argument("--trace-format", default="kvmetrics", choices=FORMATS,
+                   help="format of --trace (default kvmetrics)")
+    g.add_argument("--max-requests", type=int, metavar="N",
+                   help="requests to generate (synthetic, default 300) or replay (trace)")
+    g.add_argument("--max-tokens", type=int, metavar="N",
+                   help="override every request's output length")
+    g.add_argument("--step-seconds", type=float, default=0.02, metavar="S",
+                   help="workload seconds per engine step (maps arrival times to steps)")
+    g.add_argument("--realtime", action="store_true",
+                   help="pace steps to --step-seconds of wall time (live dashboards, demos)")
+    g.add_argument("--abort-rate", type=float, default=0.0, metavar="P",
+                   help="probability that a request is aborted after it arrives")
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-gpu-blocks", type=int, default=512)
+    g.add_argument("--max-num-seqs", type=int, default=32)
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--store-blocks", type=int, metavar="N",
+                   help="external store capacity in blocks (default 4x GPU blocks; 0: none)")
+    g.add_argument("--policy", default="recompute", choices=POLICIES,
+                   help="KV load failure policy (default recompute)")
+    g.add_argument("--accounting", default="unified", choices=ACCOUNTINGS,
+                   help="unified (default) or historical (reproduces the old negative counts)")
+    g.add_argument("--recovery", default="vllm", choices=RECOVERIES,
+                   help="vllm (default: vLLM 0.33's recovery path) or evict (the fix for its "
+                   "stale reads; reference engine only)")
+    g = p.add_argument_group("faults")
+    g.add_argument("--fault-rate", type=float, default=0.02, metavar="P",
+                   help="probability that each loaded block fails (default 0.02)")
+    g.add_argument("--fault-mode", default="mixed", choices=LOAD_MODES,
+                   help="load mode of external hits (default mixed)")
+    g.add_argument("--fault-plan", metavar="FILE",
+                   help='JSON fault plan: {"rate": P, "seed": N, "failures": '
+                   '[{"block": I, "request": ID, "step": S}]}')
+    g = p.add_argument_group("data plane")
+    g.add_argument("--kv-dim", type=int, default=8)
+    g.add_argument("--device", default="auto", choices=DEVICES)
+    g.add_argument("--verify", default="full", choices=VERIFY_MODES,
+                   help="full (default), sampled or off; off runs the tensor-less executor "
+                   "(same schedule, no KV tensors), so --device and --kv-dim do not apply")
+    g.add_argument("--verify-fraction", type=float, metavar="P",
+                   help="share of requests verified per step with --verify sampled "
+                   f"(default {DEFAULT_VERIFY_FRACTION})")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("output")
+    g.add_argument("--serve", metavar="HOST:PORT",
+                   help="serve Prometheus metrics while running (e.g. 127.0.0.1:9400)")
+    g.add_argument("--linger", type=float, metavar="S",
+                   help="with --serve: keep serving metrics this many seconds after the run")
+    g.add_argument("--otlp-endpoint", metavar="URL",
+                   help="push metrics over OTLP/HTTP (e.g. http://127.0.0.1:4318)")
+    g.add_argument("--model-name", default="kvmetrics-lab", help="model_name label value")
+    g.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    g.add_argument("--output", metavar="PATH",
+                   help="also write the run as JSON to PATH: the summary, the configuration "
+                   "and the per-step timeline (`kvmetrics report PATH` charts it)")
+    g.add_argument("--report", metavar="FILE.html",
+                   help="also write a self-contained HTML report with charts over the steps")
+    g.add_argument("--strict", action="store_true",
+                   help="fail on any guard rejection, invariant violation or verification "
+                   "failure")
+    g.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
+
+
+def _misplaced(args: argparse.Namespace) -> str | None:
+    """Options given where they cannot apply (a silent no-op would mislead)."""
+    if args.linger is not None and not args.serve:
+        return "--linger needs --serve (there is no metrics endpoint to keep open)"
+    if args.verify_fraction is not None and args.verify != "sampled":
+        return f"--verify-fraction needs --verify sampled (got --verify {args.verify})"
+    for option in ("output", "report"):
+        problem = check_output_path(getattr(args, option))
+        if problem:
+            return f"--{option}: {problem}"
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvmetrics.engine.faults import FaultPlanError
+    from kvmetrics.kv_errors import is_verification_error
+    from kvmetrics.lab.config import LabConfig, LabError
+    from kvmetrics.lab.report import ReportUnavailable, render_report, require_report_support
+    from kvmetrics.lab.runner import EngineStalled, run_lab
+    from kvmetrics.lab.summary import render_table
+    from kvmetrics.lab.traces import TraceError
+    from kvmetrics.metrics.guard import CounterViolationError
+
+    problem = _misplaced(args)
+    if problem:
+        return fail(problem)
+    if args.report:
+        try:
+            require_report_support()
+        except ReportUnavailable as e:
+            return fail(str(e))
+    cfg = LabConfig(
+        engine=args.engine, workload=args.workload, trace=args.trace,
+        trace_format=args.trace_format, max_requests=args.max_requests,
+        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_tokens=args.max_tokens, fault_rate=args.fault_rate, fault_mode=args.fault_mode,
+        fault_plan=args.fault_plan, policy=args.policy, accounting=args.accounting,
+        recovery=args.recovery, store_blocks=args.store_blocks, kv_dim=args.kv_dim,
+        device=args.device, verify=args.verify,
+        verify_fraction=(DEFAULT_VERIFY_FRACTION if args.verify_fraction is None
+                         else args.verify_fraction),
+        seed=args.seed, step_seconds=args.step_seconds, realtime=args.realtime,
+        abort_rate=args.abort_rate, serve=args.serve, linger=args.linger or 0.0,
+        otlp_endpoint=args.otlp_endpoint, strict=args.strict, model_name=args.model_name,
+        progress=not args.no_progress and stderr_is_tty())
+    try:
+        result = run_lab(cfg)
+    except (LabError, TraceError, FaultPlanError) as e:
+        return fail(str(e))
+    except (CounterViolationError, EngineStalled) as e:
+        prefix = "strict mode: " if isinstance(e, CounterViolationError) else ""
+        print(f"kvmetrics: {prefix}{e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if is_verification_error(e):
+            print(f"kvmetrics: strict mode: {e}", file=sys.stderr)
+            return 1
+        raise
+    summary = result.summary
+    document = result.document()
+    if args.output:
+        write_atomically(args.output, json.dumps(document, indent=2, sort_keys=True) + "\n")
+    if args.report:
+        write_atomically(args.report, render_report(document))
+    if args.json:
+        print(json.dumps({k: v for k, v in document.items() if k != "timeline"}, indent=2,
+                         sort_keys=True))
+    else:
+        print(render_table(summary, rich=stdout_is_tty()))
+    if args.strict and (summary["counter_violations"] or summary["verification"]["failures"]):
+        print("kvmetrics: strict mode: violations or verification failures", file=sys.stderr)
+        return 1
+    return 0
+
+
+COMMAND = Command(
+    "run", "replay a workload with injected KV-load faults", _add, _run,
+    description="Drive an engine with a workload and a fault plan, verify every KV read, "
+    "serve metrics, and print a summary.",
+    examples=(
+        "kvmetrics run                                  # mixed workload, 2% failed loads",
+        "kvmetrics run --report run.html                # + an HTML report with charts",
+        "kvmetrics run --policy fail --fault-rate 0.1 --json",
+        "kvmetrics run --engine vllm --max-requests 100  # vLLM's real scheduler",
+        "kvmetrics run --serve 127.0.0.1:9400 --linger 60 --realtime",
+    ))
