@@ -210,3 +210,43 @@ def test_dockerfile_installs_cpu_torch_before_the_project() -> None:
     assert torch < project
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text(encoding="utf-8").splitlines()
     assert {"!pyproject.toml", "!kvmetrics"} <= set(ignore)
+
+
+def test_soak_job_shards_cover_the_campaign(tmp_path: Path) -> None:
+    """Each pod of the Indexed Job runs the container args with its completion index;
+    the shards those args name, run (on a smaller campaign) and merged, equal the whole."""
+    job = _load(DEPLOY / "kubernetes" / "soak-job.yaml")
+    spec = job["spec"]
+    assert job["kind"] == "Job" and spec["completionMode"] == "Indexed"
+    (container,) = spec["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    args = container["args"]
+    assert args[0] == "soak" and "--json" in args
+    (shard_arg,) = [a for a in args if a.startswith("--shard=")]
+    assert shard_arg == f"--shard=$(SHARD_INDEX)/{spec['completions']}"
+    assert spec["parallelism"] <= spec["completions"]
+    # Run the pods' commands for a small campaign: same shard count, fewer scenarios.
+    count = spec["completions"]
+    small = [a if not a.startswith("--scenarios=") else "--scenarios=10" for a in args]
+    small = [a for a in small if not a.startswith("--jobs=")] + ["--verify=off"]
+    files = []
+    for index in range(count):
+        argv = [a.replace("$(SHARD_INDEX)", str(index)) for a in small]
+        result = subprocess.run([sys.executable, "-m", "kvmetrics", *argv], capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        path = tmp_path / f"shard-{index}.json"
+        path.write_text(result.stdout)
+        files.append(str(path))
+    merged = subprocess.run([sys.executable, "-m", "kvmetrics", "soak-merge", "--json", *files],
+                            capture_output=True, text=True, timeout=300)
+    assert merged.returncode == 0, merged.stderr
+    whole_argv = [a for a in small if not a.startswith("--shard=")]
+    whole = subprocess.run([sys.executable, "-m", "kvmetrics", *whole_argv],
+                           capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    strip = lambda d: {k: v for k, v in d.items() if k != "wall_seconds"}  # noqa: E731
+    assert strip(json.loads(merged.stdout)) == strip(json.loads(whole.stdout))
+    assert json.loads(whole.stdout)["scenarios"] == 10

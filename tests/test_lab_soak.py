@@ -1,24 +1,35 @@
-"""A short soak in CI: random scenarios stay clean in the unified accounting."""
+"""Soaks: short campaigns in CI, the exit code, parallel and sharded runs, merged reports."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from kvmetrics.lab.soak import soak
+import pytest
+
+from kvmetrics.cli.main import main
+from kvmetrics.lab import soak as soak_module
+from kvmetrics.lab.soak import Shard, SoakReport, SoakReportError, merge_reports, soak
 from tests.lab_support import run_cli
+
+
+def _without_wall(data: dict) -> dict:
+    return {k: v for k, v in data.items() if k != "wall_seconds"}
 
 
 def test_short_soak_is_clean() -> None:
     report = soak(60, verify="off", seed=1000)
     assert report.scenarios == 60
     assert report.as_dict()["failing_seeds"] == []
-    assert report.errors == report.invariant_violations == report.guard_rejected_increments == 0
+    assert report.errors == report.invariant_violations == report.counter_violations == 0
+    assert not report.failed
 
 
 def test_historical_soak_finds_violations() -> None:
     report = soak(60, verify="off", accounting="historical", seed=1000)
-    assert report.guard_rejected_increments > 0
+    assert report.counter_violations > 0
     assert report.errors == 0
+    assert not report.failed  # guard rejections are what the historical accounting is for
 
 
 def test_soak_command() -> None:
@@ -32,7 +43,114 @@ def test_soak_command() -> None:
 def test_verified_soak_finds_vllms_stale_reads_and_the_evicting_recovery_fixes_them() -> None:
     # Seed 66: policy recompute, mixed loads, preemption and aborts (docs/vllm.md).
     faithful = soak(1, verify="full", seed=66)
-    assert faithful.verification_failed_blocks > 0
-    assert faithful.invariant_violations == faithful.guard_rejected_increments == 0
+    assert faithful.verification_failures > 0
+    assert faithful.invariant_violations == faithful.counter_violations == 0
     fixed = soak(12, verify="full", seed=60, recovery="evict")
     assert fixed.as_dict()["failing_seeds"] == []
+
+
+# -- exit code: non-zero on a crash or a finding, in every accounting mode ------------------
+
+
+@pytest.mark.parametrize("accounting", ["unified", "historical"])
+def test_soak_exits_1_when_the_verifier_finds_stale_kv(accounting: str) -> None:
+    result = run_cli("soak", "--scenarios", "1", "--seed", "66", "--accounting", accounting,
+                     "--json")
+    assert result.returncode == 1, result.stderr
+    assert json.loads(result.stdout)["verification_failures"] > 0
+
+
+def test_historical_soak_with_only_guard_rejections_exits_0() -> None:
+    # Seed 1023: the historical accounting's negative increments, refused by the guard.
+    result = run_cli("soak", "--scenarios", "1", "--seed", "1023", "--accounting",
+                     "historical", "--verify", "off", "--json")
+    data = json.loads(result.stdout)
+    assert data["counter_violations"] > 0 and data["verification_failures"] == 0
+    assert result.returncode == 0, result.stderr
+    unified = run_cli("soak", "--scenarios", "1", "--seed", "1023", "--verify", "off")
+    assert unified.returncode == 0, unified.stderr  # the unified accounting has none
+
+
+@pytest.mark.parametrize("accounting", ["unified", "historical"])
+def test_soak_exits_1_when_a_scenario_crashes(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str],
+                                              accounting: str) -> None:
+    def crash(cfg):
+        raise RuntimeError("engine blew up")
+
+    monkeypatch.setattr(soak_module, "run_lab", crash)
+    code = main(["soak", "--scenarios", "2", "--verify", "off", "--accounting", accounting,
+                 "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert data["errors"] == 2
+    assert data["failures"][0]["error"] == "RuntimeError: engine blew up"
+
+
+# -- scale: jobs and shards give the report of one process ---------------------------------
+
+
+def test_jobs_2_prints_the_same_report_as_jobs_1() -> None:
+    # Seeds 60..75 include 66, so the failures list is not empty.
+    runs = [run_cli("soak", "--scenarios", "16", "--seed", "60", "--jobs", jobs, "--json")
+            for jobs in ("1", "2")]
+    one, two = (json.loads(r.stdout) for r in runs)
+    assert [r.returncode for r in runs] == [1, 1]
+    assert one["failing_seeds"] == ["reference:66"]
+    assert _without_wall(one) == _without_wall(two)
+
+
+def test_shards_partition_the_seed_range() -> None:
+    from kvmetrics.lab.soak import Campaign
+
+    campaign = Campaign(103, 7, ("reference",), "unified", "off", "vllm")
+    slices = [Shard(i, 5).seeds(campaign) for i in range(5)]
+    assert [s for r in slices for s in r] == list(range(7, 110))
+    assert max(map(len, slices)) - min(map(len, slices)) <= 1
+
+
+def test_merged_shards_equal_the_whole_campaign(tmp_path: Path) -> None:
+    whole = soak(14, verify="full", seed=60)
+    assert whole.failures  # seed 66
+    shards = [soak(14, verify="full", seed=60, shard=Shard(i, 3)) for i in range(3)]
+    assert sum(len(s.failures) for s in shards) == len(whole.failures)
+    merged = merge_reports([SoakReport.from_dict(s.as_dict()) for s in reversed(shards)])
+    assert _without_wall(merged.as_dict()) == _without_wall(whole.as_dict())
+    # The same through the command line, from files.
+    files = []
+    for i, s in enumerate(shards):
+        path = tmp_path / f"shard-{i}.json"
+        path.write_text(json.dumps(s.as_dict()))
+        files.append(str(path))
+    result = run_cli("soak-merge", "--json", *files)
+    assert result.returncode == 1  # seed 66's stale reads make the campaign fail
+    assert _without_wall(json.loads(result.stdout)) == _without_wall(whole.as_dict())
+
+
+def test_merge_keeps_every_failure() -> None:
+    """Not only the first 20: a merge must see all of them."""
+    from kvmetrics.lab.soak import Campaign, ScenarioOutcome
+
+    campaign = Campaign(50, 0, ("reference",), "unified", "off", "vllm")
+    parts = []
+    for i in range(2):
+        r = SoakReport(campaign, Shard(i, 2))
+        for seed in r.seed_range():
+            r.add(ScenarioOutcome(seed, "reference", 0, 0, 1))
+        parts.append(SoakReport.from_dict(json.loads(json.dumps(r.as_dict()))))
+    merged = merge_reports(parts)
+    assert [o.seed for o in merged.failures] == list(range(50))
+    assert merged.verification_failures == 50
+
+
+def test_merge_refuses_incomplete_or_mixed_reports() -> None:
+    reports = [soak(4, verify="off", seed=0, shard=Shard(i, 2)) for i in range(2)]
+    with pytest.raises(SoakReportError, match="missing 1/2"):
+        merge_reports(reports[:1])
+    with pytest.raises(SoakReportError, match="given twice 0/2"):
+        merge_reports([reports[0], reports[0], reports[1]])
+    other = soak(4, verify="off", seed=1, shard=Shard(1, 2))
+    with pytest.raises(SoakReportError, match="different campaigns"):
+        merge_reports([reports[0], other])
+    with pytest.raises(SoakReportError, match="not a version-1 soak report"):
+        SoakReport.from_dict({"scenarios": 3})

@@ -119,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.output:
         write_atomically(args.output, json.dumps(data, indent=2) + "\n")
     print_report(data, args.json)
-    if report.failed:
+    if report.failed and not args.json:  # JSON on stdout stays the whole output
         print(f"kvmetrics: soak found problems in {len(report.failures)} scenario(s); rerun "
               f"one with: kvmetrics soak --scenarios 1 --seed SEED", file=sys.stderr)
     return exit_code(report)
