@@ -10,7 +10,8 @@ import time
 
 from benchmarks.common import Row, render
 
-MODULES = ("bench_exporter", "bench_reference", "bench_dataplane", "bench_vllm", "bench_lab")
+MODULES = ("bench_exporter", "bench_reference", "bench_dataplane", "bench_vllm", "bench_lab",
+           "bench_soak")
 
 
 def main() -> int:

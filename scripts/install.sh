@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Install kvmetrics into ./.venv (created if missing).
-#   --test   also the test tools and Debian's prometheus/promtool (needs root or sudo)
+# Install kvmetrics into ./.venv (created if missing): the CPU build of torch, then the
+# project (editable) with the data plane and the HTML report, at the versions in
+# scripts/constraints.txt.
+#   --test   also the test tools, the dashboards extra, and Debian's prometheus/promtool
+#            and chromium (the browser the report test uses; apt needs root or sudo)
 #   --vllm   also the light, CPU-only vLLM 0.33.0 install (scripts/install-vllm-light.sh)
 # torch is installed first as the CPU build 2.13.0, so that nothing pulls a
 # multi-GB CUDA build; set KVMETRICS_TORCH_SPEC to choose another torch.
+# pip's output goes to .venv/install.log and is shown only if a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,27 +28,45 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+LOG=.venv/install.log
+: > "$LOG"
+CONSTRAINTS=scripts/constraints.txt
 
-pip install -q "${KVMETRICS_TORCH_SPEC:-torch==2.13.0}" 2>&1 | grep -v '^WARNING: Location' || true
-python -c 'import torch' >/dev/null
+# Run a step quietly; on failure show what it printed and stop.
+step() {
+  local what=$1
+  shift
+  echo "+ $*" >> "$LOG"
+  if ! "$@" >> "$LOG" 2>&1; then
+    echo "install.sh: $what failed; its output (from $LOG):" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+  fi
+}
 
-if [ "$want_test" = 1 ]; then
-  pip install -q -e '.[test]' 2>&1 | grep -v '^WARNING: Location' || true
-else
-  pip install -q -e . 2>&1 | grep -v '^WARNING: Location' || true
-fi
-python -c 'import kvmetrics' >/dev/null
+step "upgrading pip" pip install -q --upgrade pip
+step "installing torch" pip install -q -c "$CONSTRAINTS" "${KVMETRICS_TORCH_SPEC:-torch==2.13.0}"
+extras="dataplane,report"
+[ "$want_test" = 1 ] && extras="$extras,test"
+step "installing kvmetrics" pip install -q -c "$CONSTRAINTS" -e ".[$extras]"
+step "importing kvmetrics and its data plane" python -c 'import kvmetrics.kv, kvmetrics.cli.main'
 
 if [ "$want_vllm" = 1 ]; then
-  bash scripts/install-vllm-light.sh
+  step "installing the light vLLM" bash scripts/install-vllm-light.sh
+  tail -n 1 "$LOG"
 fi
 
-if [ "$want_test" = 1 ] && ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1; then
-  SUDO=""
-  [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus \
-    >/dev/null
+if [ "$want_test" = 1 ]; then
+  missing=""
+  { command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing="prometheus"
+  command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+  if [ -n "$missing" ]; then
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO="sudo"
+    step "apt-get update" $SUDO apt-get update -qq
+    # shellcheck disable=SC2086
+    step "installing$missing (apt)" $SUDO env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends $missing
+  fi
 fi
 echo "kvmetrics installed in .venv ($(.venv/bin/kvmetrics --version))"

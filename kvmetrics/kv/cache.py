@@ -14,6 +14,8 @@ import hashlib
 
 import torch
 
+from kvmetrics.kv.copy import copy_runs
+
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """blake2b of a tensor's raw bytes: equal iff bit-identical (NaN payloads included)."""
@@ -26,6 +28,10 @@ def token_slots(block_table: torch.Tensor, positions: torch.Tensor,
                 block_size: int) -> torch.Tensor:
     """Flat cache rows (``block_id * block_size + offset``) of token positions."""
     return block_table[positions // block_size] * block_size + positions % block_size
+
+
+#: Runs of at least this many bytes are slice-copied (see kvmetrics.kv.copy).
+RUN_BYTES = 128 << 10
 
 
 class KVCache:
@@ -47,9 +53,15 @@ class KVCache:
         return self.data.dtype
 
     def load_blocks(self, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Copy whole blocks in: ``data[block_ids[i]] = blocks[i]``, one kernel."""
-        if block_ids.numel():
-            self.data.index_copy_(0, block_ids.to(self.device), blocks.to(self.device))
+        """Copy whole blocks in: ``data[block_ids[i]] = blocks[i]``. Runs of adjacent ids
+        are one slice copy each; what is left, one ``index_copy_``."""
+        if not block_ids.numel():
+            return
+        blocks = blocks.to(self.device)
+        rest = copy_runs(self.data, block_ids, blocks, min_run_bytes=RUN_BYTES)
+        if rest is not None:
+            self.data.index_copy_(0, block_ids.to("cpu")[rest].to(self.device), blocks[
+                rest.to(self.device)])
 
     def poison_blocks(self, block_ids: torch.Tensor) -> None:
         """Fill blocks with NaN (a failed load must never leave stale KV readable)."""

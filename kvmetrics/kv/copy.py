@@ -15,6 +15,13 @@ Two things keep it close to a plain contiguous ``copy_`` of the same bytes
   memory instead of two); with CUDA the gather of chunk ``k+1`` into pinned
   memory overlaps the asynchronous host->device copy of chunk ``k``. The loop is
   over chunks of many blocks, never over blocks.
+* **Runs.** Real loads are mostly runs: a request's prefix blocks were saved to
+  consecutive store slots and land in blocks the pool handed out in order. A run
+  of ``n`` blocks adjacent on both sides is one slice ``copy_`` (a single memcpy,
+  or one DMA from pinned memory with CUDA), exactly what a contiguous copy does.
+  Runs shorter than ``min_run_bytes`` still go through the gather/scatter, where
+  one kernel for many scattered blocks beats a copy call per block. The loop is
+  over runs, found with a few vector ops (:func:`runs`), never over blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ import torch
 
 #: About one L2 cache's worth: the gathered chunk is re-read from cache by the scatter.
 DEFAULT_CHUNK_BYTES = 1 << 20
+#: A run at least this large (two 64 KiB blocks) is copied as one slice; below it the
+#: per-call overhead of
+#: a slice copy (a few microseconds) costs more than the gather/scatter's second pass.
+DEFAULT_MIN_RUN_BYTES = 128 << 10
 
 _WIDE = ((torch.complex128, 16), (torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
@@ -40,12 +51,62 @@ def row_view(t: torch.Tensor, wide: bool = True) -> torch.Tensor:
     return flat
 
 
+def _run_starts(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start positions and lengths of the maximal runs where ``d`` and ``s`` both go up
+    by exactly one (vector ops only: no Python loop over blocks)."""
+    n = d.numel()
+    breaks = ((d[1:] - d[:-1]) != 1) | ((s[1:] - s[:-1]) != 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
+    return starts, torch.diff(starts, append=torch.tensor([n]))
+
+
+def runs(dst_ids: torch.Tensor, src_ids: torch.Tensor | None = None) -> list[tuple[int, int, int]]:
+    """Maximal runs ``(dst_start, src_start, length)`` over which ``dst_ids`` and
+    ``src_ids`` (default: ``0, 1, 2, ...``) both go up by exactly one."""
+    if dst_ids.numel() == 0:
+        return []
+    d = dst_ids.to("cpu", torch.int64)
+    s = torch.arange(d.numel()) if src_ids is None else src_ids.to("cpu", torch.int64)
+    starts, lengths = _run_starts(d, s)
+    return list(zip(d[starts].tolist(), s[starts].tolist(), lengths.tolist(), strict=True))
+
+
+def copy_runs(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor,
+              src_ids: torch.Tensor | None = None, min_run_bytes: int = 0,
+              non_blocking: bool = False) -> torch.Tensor | None:
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` for the blocks in runs of at least
+    ``min_run_bytes``, one slice copy per run; returns the positions (into the id
+    tensors) of the blocks left for the caller, or None when none is left."""
+    n = dst_ids.numel()
+    if n == 0:
+        return None
+    row_bytes = src[0].numel() * src.element_size()
+    min_len = max(1, -(-min_run_bytes // max(row_bytes, 1)))
+    everything = torch.arange(n)
+    if n < min_len:
+        return everything
+    d = dst_ids.to("cpu", torch.int64)
+    s = everything if src_ids is None else src_ids.to("cpu", torch.int64)
+    starts, lengths = _run_starts(d, s)
+    long = lengths >= min_len
+    if not bool(long.any()):
+        return everything  # a scattered layout: leave it all to one batched kernel
+    for d0, s0, length in zip(d[starts[long]].tolist(), s[starts[long]].tolist(),
+                              lengths[long].tolist(), strict=True):
+        dst[d0:d0 + length].copy_(src[s0:s0 + length], non_blocking=non_blocking)
+    if bool(long.all()):
+        return None
+    return torch.repeat_interleave(~long, lengths).nonzero().flatten()
+
+
 class BlockCopier:
     """Copies blocks host store -> device cache for one device, in index-driven batches."""
 
-    def __init__(self, device: torch.device, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, device: torch.device, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 min_run_bytes: int = DEFAULT_MIN_RUN_BYTES) -> None:
         self.device = device
         self.chunk_bytes = max(1, chunk_bytes)
+        self.min_run_bytes = min_run_bytes
         # CUDA kernels run at memory speed anyway; keep the native dtype there.
         self.wide = device.type == "cpu"
 
@@ -55,10 +116,22 @@ class BlockCopier:
     def copy(self, dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor,
              src_ids: torch.Tensor) -> None:
         """``dst[dst_ids[i]] = src[src_ids[i]]``; ``src`` on the host, ``dst`` on the device."""
-        n = src_ids.numel()
-        if n == 0:
+        if src_ids.numel() == 0:
             return
         d, s = row_view(dst, self.wide), row_view(src, self.wide)
+        src_ids = src_ids.to("cpu")
+        rest = copy_runs(d, dst_ids.to("cpu"), s, src_ids, self.min_run_bytes,
+                         non_blocking=self.device.type != "cpu")
+        if rest is None:
+            return
+        if rest.numel() != src_ids.numel():
+            src_ids, dst_ids = src_ids[rest], dst_ids.to("cpu")[rest]
+        self._gather_scatter(d, dst_ids, s, src_ids)
+
+    def _gather_scatter(self, d: torch.Tensor, dst_ids: torch.Tensor, s: torch.Tensor,
+                        src_ids: torch.Tensor) -> None:
+        """The scattered blocks: gather rows of the host tensor, scatter them, in chunks."""
+        n = src_ids.numel()
         src_ids = src_ids.to("cpu")
         dst_ids = dst_ids.to(self.device, non_blocking=True)
         step = self._rows_per_chunk(s.shape[1] * s.element_size())
@@ -73,7 +146,7 @@ class BlockCopier:
                 # A fresh pinned buffer per chunk: the caching host allocator keeps
                 # it alive until its asynchronous copy has finished.
                 staged = torch.empty((hi - lo, s.shape[1]), dtype=s.dtype,
-                                     pin_memory=src.is_pinned())
+                                     pin_memory=s.is_pinned())
                 torch.index_select(s, 0, src_ids[lo:hi], out=staged)
                 rows = staged.to(self.device, non_blocking=True)
             d.index_copy_(0, dst_ids[lo:hi], rows)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.kv.cache import tensor_digest
+from kvmetrics.kv.cache import RUN_BYTES, tensor_digest
+from kvmetrics.kv.copy import copy_runs
 
 
 class HostKVStore:
@@ -32,9 +33,15 @@ class HostKVStore:
         return self.index.capacity
 
     def scatter(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Write blocks into ``slots`` (device->host when the cache is on a GPU)."""
-        if slots.numel():
-            self.data.index_copy_(0, slots.to("cpu"), blocks.to("cpu"))
+        """Write blocks into ``slots`` (device->host when the cache is on a GPU); runs of
+        adjacent slots are one slice copy each."""
+        if not slots.numel():
+            return
+        blocks = blocks.to("cpu")
+        slots = slots.to("cpu")
+        rest = copy_runs(self.data, slots, blocks, min_run_bytes=RUN_BYTES)
+        if rest is not None:
+            self.data.index_copy_(0, slots[rest], blocks[rest])
 
     def checksum(self) -> str:
         return tensor_digest(self.data)
