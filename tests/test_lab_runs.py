@@ -19,6 +19,7 @@ HISTORICAL = ("--accounting", "historical", "--num-gpu-blocks", "150", "--fault-
 def test_default_run_is_clean() -> None:
     result = run_cli("run", "--json")
     assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no warning (torch's NumPy one included)
     summary = json.loads(result.stdout)
     assert summary["guard_rejected_increments"] == summary["invariant_violations"] == 0
     assert summary["verification"]["failed_blocks"] == 0

@@ -1,0 +1,171 @@
+"""The run report: the HTML page renders in a real browser, offline, with its charts.
+
+The browser is Debian's Chromium, headless, with every network path closed (a dead
+proxy and a resolver that finds nothing), so a page that tried to fetch anything
+would be missing it. The screenshot is checked by its pixels: not blank, and the
+ink of each chart's series colours is there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from kvmetrics.lab.report import COLOURS
+from kvmetrics.lab.timeline import TimelineSink
+from kvmetrics.metrics import catalogue as cat
+from tests.lab_support import run_cli
+
+#: Seed 66's soak scenario as `kvmetrics run` options: policy recompute, mixed loads,
+#: preemption and aborts; vLLM's recovery path lets requests read stale KV.
+STALE = ("--workload", "rag", "--max-requests", "35", "--block-size", "4",
+         "--num-gpu-blocks", "514", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+         "--fault-rate", "0.2", "--fault-mode", "mixed", "--store-blocks", "1024",
+         "--abort-rate", "0.1", "--seed", "66")
+BROWSER_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--hide-scrollbars",
+                 # Nothing may be fetched: any request would fail.
+                 "--proxy-server=127.0.0.1:9", "--host-resolver-rules=MAP * ~NOTFOUND",
+                 "--enable-logging=stderr", "--v=0")
+
+
+def chromium() -> str:
+    path = shutil.which("chromium")
+    assert path, "chromium not found: `bash scripts/install.sh --test` installs it (apt)"
+    return path
+
+
+def browse(page: Path, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([chromium(), *BROWSER_FLAGS, f"--user-data-dir={profile}", *args,
+                           page.as_uri()], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stale_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict]:
+    out = tmp_path_factory.mktemp("report")
+    page, doc = out / "run.html", out / "run.json"
+    result = run_cli("run", *STALE, "--report", str(page), "--output", str(doc))
+    assert result.returncode == 0, result.stderr
+    return page, doc, json.loads(doc.read_text())
+
+
+def test_report_is_self_contained(stale_run: tuple[Path, Path, dict]) -> None:
+    page, _, _ = stale_run
+    text = page.read_text()
+    assert not re.search(r"https?://", text)
+    assert "<script" not in text and "@import" not in text
+    assert not re.search(r'\b(?:src|href)="(?!#)', text)  # only in-page references
+    assert text.count("<svg") == 8
+    assert len(text) < 1_000_000
+
+
+def test_report_renders_in_chromium_with_its_charts(stale_run: tuple[Path, Path, dict],
+                                                    tmp_path: Path) -> None:
+    page, _, doc = stale_run
+    shot = tmp_path / "shot.png"
+    result = browse(page, tmp_path / "profile", "--window-size=1320,2600",
+                    f"--screenshot={shot}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not re.search(r"CONSOLE|Uncaught|net::ERR_", result.stderr), result.stderr[-3000:]
+    image = Image.open(shot).convert("RGB")
+    assert image.size == (1320, 2600)
+    colours = image.getcolors(maxcolors=1 << 24)
+    ink = sum(n for n, p in colours if sum(p) < 720)  # anything clearly not white
+    assert ink > 0.03 * image.width * image.height, "the page looks blank"
+    assert len(colours) > 100, "a page with charts has many colours"
+    counts = _colour_counts(image)
+    for name in ("local", "external", "ok", "failed", "rolled_back", "capacity", "usage",
+                 "running", "waiting", "preemptions"):
+        assert counts[COLOURS[name]] >= 40, (name, counts)
+    # The run found stale reads: the report says what and why.
+    assert doc["findings"]["reads"] > 0
+    dom = browse(page, tmp_path / "profile2", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-3000:]
+    assert dom.stdout.count("<svg") == 8
+    assert "stale KV:" in dom.stdout and "--recovery evict" in dom.stdout
+
+
+def _colour_counts(image: Image.Image) -> dict[str, int]:
+    """Pixels within a small distance of each report colour (antialiased lines keep
+    their pure colour along the middle)."""
+    wanted = {name: tuple(int(name[i:i + 2], 16) for i in (1, 3, 5))
+              for name in set(COLOURS.values())}
+    counts = dict.fromkeys(wanted, 0)
+    for n, pixel in image.getcolors(maxcolors=1 << 24):
+        for name, rgb in wanted.items():
+            if sum(abs(a - b) for a, b in zip(pixel, rgb, strict=True)) <= 24:
+                counts[name] += n
+    return counts
+
+
+def test_report_command_rebuilds_the_same_page(stale_run: tuple[Path, Path, dict],
+                                               tmp_path: Path) -> None:
+    page, doc, _ = stale_run
+    again = tmp_path / "again.html"
+    result = run_cli("report", str(doc), "-o", str(again))
+    assert result.returncode == 0, result.stderr
+    assert again.read_text() == page.read_text()
+
+
+def test_report_refuses_a_document_without_timeline(tmp_path: Path) -> None:
+    doc = tmp_path / "summary.json"
+    doc.write_text(json.dumps({"engine": "reference"}))
+    result = run_cli("report", str(doc))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"kvmetrics: error: {doc}: the run document has no timeline (write it with "
+        "`kvmetrics run --output RUN.json`)"]
+
+
+def test_report_without_matplotlib_is_one_line(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['matplotlib'] = None; from kvmetrics.cli.main import main;"
+            f" sys.exit(main(['run', '--verify', 'off', '--max-requests', '3', '--report', "
+            f"'{tmp_path / 'r.html'}']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "kvmetrics: error: the HTML report needs matplotlib: pip install 'kvmetrics[report]' "
+        "(or rerun scripts/install.sh, which installs it)"]
+
+
+def test_timeline_sums_match_the_summary(stale_run: tuple[Path, Path, dict]) -> None:
+    _, _, doc = stale_run
+    tl = doc["timeline"]
+    c = tl["counters"]
+    assert sum(c["load_blocks_failed"]) == doc["kv_load"]["blocks_failed"]
+    assert sum(c["verification_failures"]) == doc["verification"]["failures"]
+    assert sum(c["preemptions"]) == doc["preemptions"]
+    assert sum(c["local_query_tokens"]) == doc["prefix_cache"]["local"]["query_tokens"]
+    assert tl["last_step"][-1] == doc["steps"]
+
+
+def test_bucketing_keeps_sums_against_a_brute_force_count() -> None:
+    """3000 steps into at most 16 buckets: each bucket's sum equals the sum of the
+    steps it covers, computed here directly from the input."""
+    sink = TimelineSink(max_points=16)
+    common = ("m", "0")
+    amounts = {step: (step * 7919) % 13 for step in range(1, 3001)}
+    for step in range(1, 3001):
+        sink.inc(cat.PREEMPTIONS, common, amounts[step])
+        sink.set(cat.KV_CACHE_USAGE, common, (step % 10) / 10)
+        sink.close_step(step)
+    data = sink.as_dict()
+    assert len(data["last_step"]) <= 17 and data["bucket_steps"] == 256
+    assert data["first_step"][0] == 1 and data["last_step"][-1] == 3000
+    for first, last, got, usage in zip(data["first_step"], data["last_step"],
+                                       data["counters"]["preemptions"],
+                                       data["gauges"]["kv_cache_usage"], strict=True):
+        steps = range(first, last + 1)
+        assert got == sum(amounts[s] for s in steps)
+        assert usage == pytest.approx(sum((s % 10) / 10 for s in steps) / len(steps), abs=1e-4)
+    assert [b - a for a, b in zip(data["last_step"], data["first_step"][1:],
+                                  strict=False)] == [1] * (len(data["last_step"]) - 1)
