@@ -154,39 +154,42 @@ def test_vllm_preempted_owner_is_attributed() -> None:
 def test_lab_summary_explains_the_stale_reads() -> None:
     text = run_cli("run", *STALE)
     assert text.returncode == 0, text.stderr
-    assert re.search(r"stale KV: \d+ bad reads by \d+ request\(s\) in \d+ block\(s\), first "
-                     r"at step \d+", text.stdout)
+    assert re.search(r"stale KV: \d+ failed block reads by \d+ request\(s\) in \d+ distinct "
+                     r"block\(s\), first at step \d+", text.stdout)
     assert DOCS_STALE in text.stdout and "avoid it with --recovery evict" in text.stdout
     result = run_cli("run", *STALE, "--json")
     summary = json.loads(result.stdout)
     findings = summary["findings"]
-    assert findings["reads"] == summary["verification"]["failures"] > 0
-    assert sum(c["reads"] for c in findings["causes"]) == findings["reads"]
+    assert findings["failed_blocks"] == summary["verification"]["failed_blocks"] > 0
+    assert sum(c["failed_blocks"] for c in findings["causes"]) == findings["failed_blocks"]
     assert all(c["known"] for c in findings["causes"])
     fixed = json.loads(run_cli("run", *STALE, "--json", "--recovery", "evict").stdout)
-    assert fixed["findings"] == {"reads": 0, "requests": 0, "blocks": 0, "first_step": None,
+    assert fixed["findings"] == {"failed_blocks": 0, "requests": 0, "blocks": 0, "first_step": None,
                                  "causes": []}
 
 
 def test_guard_rejections_name_metric_step_and_request() -> None:
     """The historical accounting's negative increments: the summary's groups agree with
-    the guard's own log lines (one per rejection) on count, first step and request."""
+    the guard's own log lines (one per rejection) on count, first step and request, and
+    with the exported counters on the count."""
     from tests.test_lab_runs import HISTORICAL
 
     result = run_cli("run", "--verify", "off", "--json", *HISTORICAL)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
-    logged = re.findall(r"(\w+) violation on (kvmetrics_\w+) at step (\d+)(?: request=(\S+))?:",
-                        result.stderr)
-    assert logged and len(logged) == summary["counter_violations"]
-    groups = summary["violations"]
-    assert sum(g["count"] for g in groups) == len(logged)
-    for g in groups:
-        mine = [entry for entry in logged if entry[:2] == (g["kind"], g["metric"])]
+    logged = re.findall(r"refused (\S+) increment of (kvmetrics_\w+) at step (\d+)"
+                        r"(?: request=(\S+))?:", result.stderr)
+    assert logged and len(logged) == summary["guard_rejected_increments"]
+    rejections = [g for g in summary["violations"] if g["kind"] == "guard_rejection"]
+    assert sum(g["count"] for g in rejections) == len(logged)
+    for g in rejections:
+        mine = [e for e in logged if (e[0].replace("-", "_"), e[1]) == (g["reason"], g["metric"])]
         assert g["count"] == len(mine)
         assert (g["first_step"], g["first_request"]) == (int(mine[0][2]), mine[0][3] or None)
+    invariants = [g for g in summary["violations"] if g["kind"] == "invariant"]
+    assert sum(g["count"] for g in invariants) == summary["invariant_violations"]
     text = run_cli("run", "--verify", "off", *HISTORICAL).stdout
-    g = next(g for g in groups if g["kind"] == "negative")
-    assert (f"{g['kind']} increment rejected by the guard on {g['metric']}: {g['count']} "
+    g = rejections[0]
+    assert (f"negative increments of {g['metric']} rejected by the guard: {g['count']} "
             f"time(s), first at step {g['first_step']}, first request {g['first_request']}"
             ) in text

@@ -86,7 +86,7 @@ def test_report_renders_in_chromium_with_its_charts(stale_run: tuple[Path, Path,
                  "running", "waiting", "preemptions"):
         assert counts[COLOURS[name]] >= 40, (name, counts)
     # The run found stale reads: the report says what and why.
-    assert doc["findings"]["reads"] > 0
+    assert doc["findings"]["failed_blocks"] > 0
     dom = browse(page, tmp_path / "profile2", "--dump-dom")
     assert dom.returncode == 0, dom.stderr[-3000:]
     assert dom.stdout.count("<svg") == 8
@@ -142,7 +142,7 @@ def test_timeline_sums_match_the_summary(stale_run: tuple[Path, Path, dict]) -> 
     tl = doc["timeline"]
     c = tl["counters"]
     assert sum(c["load_blocks_failed"]) == doc["kv_load"]["blocks_failed"]
-    assert sum(c["verification_failures"]) == doc["verification"]["failures"]
+    assert sum(c["verification_failed_blocks"]) == doc["verification"]["failed_blocks"]
     assert sum(c["preemptions"]) == doc["preemptions"]
     assert sum(c["local_query_tokens"]) == doc["prefix_cache"]["local"]["query_tokens"]
     assert tl["last_step"][-1] == doc["steps"]

@@ -21,13 +21,13 @@ def test_short_soak_is_clean() -> None:
     report = soak(60, verify="off", seed=1000)
     assert report.scenarios == 60
     assert report.as_dict()["failing_seeds"] == []
-    assert report.errors == report.invariant_violations == report.counter_violations == 0
+    assert report.errors == report.invariant_violations == report.guard_rejected_increments == 0
     assert not report.failed
 
 
 def test_historical_soak_finds_violations() -> None:
     report = soak(60, verify="off", accounting="historical", seed=1000)
-    assert report.counter_violations > 0
+    assert report.guard_rejected_increments > 0
     assert report.errors == 0
     assert not report.failed  # guard rejections are what the historical accounting is for
 
@@ -43,8 +43,8 @@ def test_soak_command() -> None:
 def test_verified_soak_finds_vllms_stale_reads_and_the_evicting_recovery_fixes_them() -> None:
     # Seed 66: policy recompute, mixed loads, preemption and aborts (docs/vllm.md).
     faithful = soak(1, verify="full", seed=66)
-    assert faithful.verification_failures > 0
-    assert faithful.invariant_violations == faithful.counter_violations == 0
+    assert faithful.verification_failed_blocks > 0
+    assert faithful.invariant_violations == faithful.guard_rejected_increments == 0
     fixed = soak(12, verify="full", seed=60, recovery="evict")
     assert fixed.as_dict()["failing_seeds"] == []
 
@@ -57,7 +57,7 @@ def test_soak_exits_1_when_the_verifier_finds_stale_kv(accounting: str) -> None:
     result = run_cli("soak", "--scenarios", "1", "--seed", "66", "--accounting", accounting,
                      "--json")
     assert result.returncode == 1, result.stderr
-    assert json.loads(result.stdout)["verification_failures"] > 0
+    assert json.loads(result.stdout)["verification_failed_blocks"] > 0
 
 
 def test_historical_soak_with_only_guard_rejections_exits_0() -> None:
@@ -65,7 +65,7 @@ def test_historical_soak_with_only_guard_rejections_exits_0() -> None:
     result = run_cli("soak", "--scenarios", "1", "--seed", "1023", "--accounting",
                      "historical", "--verify", "off", "--json")
     data = json.loads(result.stdout)
-    assert data["counter_violations"] > 0 and data["verification_failures"] == 0
+    assert data["guard_rejected_increments"] > 0 and data["verification_failed_blocks"] == 0
     assert result.returncode == 0, result.stderr
     unified = run_cli("soak", "--scenarios", "1", "--seed", "1023", "--verify", "off")
     assert unified.returncode == 0, unified.stderr  # the unified accounting has none
@@ -140,7 +140,7 @@ def test_merge_keeps_every_failure() -> None:
         parts.append(SoakReport.from_dict(json.loads(json.dumps(r.as_dict()))))
     merged = merge_reports(parts)
     assert [o.seed for o in merged.failures] == list(range(50))
-    assert merged.verification_failures == 50
+    assert merged.verification_failed_blocks == 50
 
 
 def test_merge_refuses_incomplete_or_mixed_reports() -> None:

@@ -82,6 +82,9 @@ def _add(p: argparse.ArgumentParser) -> None:
                    help="serve Prometheus metrics while running (e.g. 127.0.0.1:9400)")
     g.add_argument("--linger", type=float, metavar="S",
                    help="with --serve: keep serving metrics this many seconds after the run")
+    g.add_argument("--wait-for-scrape", type=float, default=0.0, metavar="S",
+                   help="with --serve: start the run only after the endpoint was scraped "
+                   "once (at most S seconds), so Prometheus sees every series from 0")
     g.add_argument("--otlp-endpoint", metavar="URL",
                    help="push metrics over OTLP/HTTP (e.g. http://127.0.0.1:4318)")
     g.add_argument("--model-name", default="kvmetrics-lab", help="model_name label value")
@@ -141,6 +144,7 @@ def _run(args: argparse.Namespace) -> int:
                          else args.verify_fraction),
         seed=args.seed, step_seconds=args.step_seconds, realtime=args.realtime,
         abort_rate=args.abort_rate, serve=args.serve, linger=args.linger or 0.0,
+        wait_for_scrape=args.wait_for_scrape,
         otlp_endpoint=args.otlp_endpoint, strict=args.strict, model_name=args.model_name,
         progress=not args.no_progress and stderr_is_tty())
     try:
@@ -167,7 +171,8 @@ def _run(args: argparse.Namespace) -> int:
                          sort_keys=True))
     else:
         print(render_table(summary, rich=stdout_is_tty()))
-    if args.strict and (summary["counter_violations"] or summary["verification"]["failures"]):
+    if args.strict and (summary["guard_rejected_increments"] or summary["invariant_violations"]
+                        or summary["verification"]["failed_blocks"]):
         print("kvmetrics: strict mode: violations or verification failures", file=sys.stderr)
         return 1
     return 0

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmetrics.lab.config import LabConfig
+from kvmetrics.metrics import catalogue as cat
+from kvmetrics.metrics.totals import Totals
 
 DOCS_STALE = "docs/vllm.md#finding-in-vllm-stale-kv-after-a-failed-load-under-recompute"
 DOCS_SHARERS = "docs/vllm.md#same-step-sharers-of-a-failed-block"
-#: Violation details kept per (kind, metric) group; the counts are always exact.
+#: Examples kept per group of violations; the counts are always exact.
 EXAMPLES_PER_GROUP = 3
 
 
@@ -56,7 +58,7 @@ UNKNOWN = Cause("unknown", False, "unknown: the data plane did not poison this b
 @dataclass
 class _Group:
     cause: Cause
-    reads: int = 0
+    failed_blocks: int = 0
     requests: set[str] = field(default_factory=set)
     blocks: set[int] = field(default_factory=set)
     first_step: int | None = None
@@ -121,7 +123,7 @@ def explain_findings(cfg: LabConfig, findings: Sequence[Any], attributions: Sequ
         attribution = attributions[i] if i < len(attributions) else None
         cause = classify(attribution, cfg.policy) if attribution is not None else UNKNOWN
         group = groups.setdefault(cause.key, _Group(cause))
-        group.reads += 1
+        group.failed_blocks += 1
         group.requests.add(finding.request_id)
         group.blocks.add(finding.block_id)
         if group.first_step is None or finding.step < group.first_step:
@@ -129,17 +131,18 @@ def explain_findings(cfg: LabConfig, findings: Sequence[Any], attributions: Sequ
             group.example = (_describe(finding, attribution, aborted) if attribution
                              is not None else str(finding))
     causes = []
-    for group in sorted(groups.values(), key=lambda g: -g.reads):
+    for group in sorted(groups.values(), key=lambda g: -g.failed_blocks):
         c = group.cause
         avoid = c.avoid
         if avoid == "--recovery evict" and cfg.engine != "reference":
             avoid = "--recovery evict on the reference engine; on vLLM see " + (c.docs or "")
         causes.append({"cause": c.key, "known": c.known, "explanation": c.text,
-                       "reads": group.reads, "requests": len(group.requests),
+                       "failed_blocks": group.failed_blocks, "requests": len(group.requests),
                        "blocks": len(group.blocks), "first_step": group.first_step,
                        "example": group.example, "docs": c.docs, "avoid": avoid})
     return {
-        "reads": len(findings),
+        #: Equals the summary's verification.failed_blocks: one per block per read.
+        "failed_blocks": len(findings),
         "requests": len({f.request_id for f in findings}),
         "blocks": len({f.block_id for f in findings}),
         "first_step": min((f.step for f in findings), default=None),
@@ -147,21 +150,30 @@ def explain_findings(cfg: LabConfig, findings: Sequence[Any], attributions: Sequ
     }
 
 
-def explain_violations(violations: Sequence[Any]) -> list[dict[str, Any]]:
-    """Guard rejections and invariant violations by (kind, metric), first one first."""
-    groups: dict[tuple[str, str], dict[str, Any]] = {}
+def explain_violations(violations: Sequence[Any], totals: Totals) -> list[dict[str, Any]]:
+    """Guard rejections by (metric, reason) and invariant violations by invariant, first
+    one first. Counts come from the totals (exact); the first step, request and examples
+    from the violations the pipeline kept (the first ones of a run)."""
+    groups: dict[tuple[str, ...], dict[str, Any]] = {}
     for v in violations:
-        g = groups.get((v.kind, v.metric))
+        if v.is_rejection:
+            key: tuple[str, ...] = ("guard_rejection", v.metric, v.kind)
+            head = {"kind": "guard_rejection", "metric": v.metric, "reason": v.kind}
+        else:
+            key = ("invariant", str(v.invariant))
+            head = {"kind": "invariant", "invariant": v.invariant, "metric": v.metric}
+        g = groups.get(key)
         if g is None:
-            g = groups[(v.kind, v.metric)] = {
-                "kind": v.kind, "metric": v.metric, "count": 0, "first_step": v.step,
-                "first_request": v.request_id, "requests": set(), "examples": []}
-        g["count"] += 1
-        if v.request_id:
-            g["requests"].add(v.request_id)
+            g = groups[key] = {**head, "count": 0, "first_step": v.step,
+                               "first_request": v.request_id, "examples": []}
+        if g["first_request"] is None and v.request_id:
+            g["first_request"] = v.request_id
         if len(g["examples"]) < EXAMPLES_PER_GROUP:
             g["examples"].append(v.describe())
-    out = []
-    for g in sorted(groups.values(), key=lambda g: (g["first_step"], g["kind"], g["metric"])):
-        out.append({**g, "requests": len(g["requests"])})
-    return out
+    for key, g in groups.items():
+        if key[0] == "guard_rejection":
+            g["count"] = int(totals.get(cat.GUARD_REJECTED_INCREMENTS, metric=key[1],
+                                        reason=key[2]))
+        else:
+            g["count"] = int(totals.get(cat.INVARIANT_VIOLATIONS, invariant=key[1]))
+    return sorted(groups.values(), key=lambda g: (g["first_step"], g["kind"], g["metric"]))

@@ -164,7 +164,8 @@ def _charts(tl: _Timeline) -> list[Chart]:
         ax.set_ylabel("requests (mean)")
 
     def findings(ax: Any, t: _Timeline) -> None:
-        line(ax, "finding", t.c("verification_failures"), "stale KV reads (verifier)")
+        line(ax, "finding", t.c("verification_failed_blocks"),
+             "stale KV block reads (verifier)")
         line(ax, "guard", t.c("guard_rejected_increments"), "guard rejections")
         line(ax, "invariant", t.c("invariant_violations"), "invariant violations")
         ax.set_ylabel(f"events {t.per}")
@@ -242,7 +243,7 @@ def render_report(document: dict[str, Any]) -> str:
             raise ReportInputError(f"the run document has no {key!r} field")
     tl = _Timeline(document["timeline"])
     plt = _pyplot()
-    marks = tl.marks("verification_failures")
+    marks = tl.marks("verification_failed_blocks")
     figures = []
     for i, (title, draw) in enumerate(_charts(tl)):
         svg = _draw(plt, title, draw, tl, marks, f"c{i}-")

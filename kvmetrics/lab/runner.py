@@ -59,7 +59,7 @@ class LabResult:
 
 def config_dict(cfg: LabConfig) -> dict[str, Any]:
     """The settings that shape a run (not how it is watched: progress, serving, OTLP)."""
-    skip = {"progress", "serve", "linger", "otlp_endpoint", "realtime"}
+    skip = {"progress", "serve", "linger", "wait_for_scrape", "otlp_endpoint", "realtime"}
     return {k: v for k, v in asdict(cfg).items() if k not in skip}
 
 
@@ -171,7 +171,7 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
     runner = getattr(engine, "runner", None)
     summary["findings"] = explain_findings(cfg, engine.findings,
                                            getattr(runner, "attributions", ()), aborted)
-    summary["violations"] = explain_violations(pipeline.violations)
+    summary["violations"] = explain_violations(pipeline.violations, pipeline.totals)
     result = LabResult(summary, pipeline, prometheus, engine.findings, timeline, cfg)
     if on_finished is not None:
         on_finished(result)

@@ -72,10 +72,10 @@ def run_scenario(seed: int, engine: str, accounting: str = "unified",
         result = run_lab(cfg)
     except Exception as e:  # a crash is a finding, reported with its seed
         return ScenarioOutcome(seed, engine, 0, 0, 0, error=f"{type(e).__name__}: {e}")
-    kinds = [v.kind for v in result.pipeline.violations]
-    invariant = sum(1 for k in kinds if k == "invariant")
-    return ScenarioOutcome(seed, engine, invariant, len(kinds) - invariant,
-                           result.summary["verification"]["failures"])
+    summary = result.summary
+    return ScenarioOutcome(seed, engine, summary["invariant_violations"],
+                           summary["guard_rejected_increments"],
+                           summary["verification"]["failed_blocks"])
 
 
 Task = tuple[int, str, str, str, str]

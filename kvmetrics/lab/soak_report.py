@@ -15,7 +15,8 @@ from typing import Any
 
 #: Bumped when the report's shape changes; a merge refuses other versions.
 REPORT_VERSION = 1
-COUNTS = ("invariant_violations", "counter_violations", "verification_failures", "errors")
+COUNTS = ("invariant_violations", "guard_rejected_increments", "verification_failed_blocks",
+          "errors")
 
 
 class SoakReportError(ValueError):
@@ -75,14 +76,14 @@ class ScenarioOutcome:
     seed: int
     engine: str
     invariant_violations: int
-    counter_violations: int
-    verification_failures: int
+    guard_rejected_increments: int
+    verification_failed_blocks: int
     error: str | None = None
 
     @property
     def clean(self) -> bool:
-        return not (self.invariant_violations or self.counter_violations
-                    or self.verification_failures or self.error)
+        return not (self.invariant_violations or self.guard_rejected_increments
+                    or self.verification_failed_blocks or self.error)
 
     @property
     def label(self) -> str:
@@ -95,8 +96,8 @@ class SoakReport:
     shard: Shard | None = None
     scenarios: int = 0
     invariant_violations: int = 0
-    counter_violations: int = 0
-    verification_failures: int = 0
+    guard_rejected_increments: int = 0
+    verification_failed_blocks: int = 0
     errors: int = 0
     wall_seconds: float = 0.0
     failures: list[ScenarioOutcome] = field(default_factory=list)
@@ -104,8 +105,8 @@ class SoakReport:
     def add(self, outcome: ScenarioOutcome) -> None:
         self.scenarios += 1
         self.invariant_violations += outcome.invariant_violations
-        self.counter_violations += outcome.counter_violations
-        self.verification_failures += outcome.verification_failures
+        self.guard_rejected_increments += outcome.guard_rejected_increments
+        self.verification_failed_blocks += outcome.verification_failed_blocks
         self.errors += outcome.error is not None
         if not outcome.clean:
             self.failures.append(outcome)
@@ -115,8 +116,8 @@ class SoakReport:
         """A finding that must fail the soak. Guard rejections are expected under the
         historical accounting (it exists to produce them); nothing else ever is."""
         expected_rejections = self.campaign.accounting == "historical"
-        return bool(self.errors or self.verification_failures or self.invariant_violations
-                    or (self.counter_violations and not expected_rejections))
+        return bool(self.errors or self.verification_failed_blocks or self.invariant_violations
+                    or (self.guard_rejected_increments and not expected_rejections))
 
     def seed_range(self) -> range:
         return (self.shard or Shard(0, 1)).seeds(self.campaign)

@@ -93,23 +93,27 @@ def explanation_lines(summary: dict[str, Any]) -> list[str]:
     """Plain sentences about the findings and violations (empty for a clean run)."""
     lines: list[str] = []
     f = summary.get("findings") or {}
-    if f.get("reads"):
-        lines.append(f"stale KV: {f['reads']} bad reads by {f['requests']} request(s) in "
-                     f"{f['blocks']} block(s), first at step {f['first_step']}")
+    if f.get("failed_blocks"):
+        lines.append(f"stale KV: {f['failed_blocks']} failed block reads by {f['requests']} "
+                     f"request(s) in {f['blocks']} distinct block(s), first at step "
+                     f"{f['first_step']}")
         for c in f["causes"]:
-            lines.append(f"  {c['reads']} read(s), {c['requests']} request(s), {c['blocks']} "
-                         f"block(s) from step {c['first_step']}: {c['explanation']}")
+            lines.append(f"  {c['failed_blocks']} failed block read(s), {c['requests']} "
+                         f"request(s), {c['blocks']} block(s) from step {c['first_step']}: "
+                         f"{c['explanation']}")
             lines.append(f"    e.g. {c['example']}")
             if c["docs"]:
                 lines.append(f"    see {c['docs']}")
             if c["avoid"]:
                 lines.append(f"    avoid it with {c['avoid']}")
     for v in summary.get("violations") or ():
-        what = "invariant violated" if v["kind"] == "invariant" else f"{v['kind']} increment " \
-            "rejected by the guard"
+        if v["kind"] == "invariant":
+            what = f"invariant {v['invariant']} broken ({v['metric']})"
+        else:
+            what = f"{v['reason'].replace('_', '-')} increments of {v['metric']} rejected by " \
+                "the guard"
         who = f", first request {v['first_request']}" if v["first_request"] else ""
-        lines.append(f"{what} on {v['metric']}: {v['count']} time(s), first at step "
-                     f"{v['first_step']}{who}")
+        lines.append(f"{what}: {v['count']} time(s), first at step {v['first_step']}{who}")
         lines.append(f"    e.g. {v['examples'][0]}")
     return lines
 

@@ -34,9 +34,9 @@ _COUNTER_SERIES: dict[str, Any] = {
     cat.PREEMPTIONS.name: lambda v: "preemptions",
     cat.FINISHED_REQUESTS.name: lambda v: f"finished_{v[0]}",
     cat.KV_VERIFIED_TOKENS.name: lambda v: "verified_tokens",
-    cat.KV_VERIFICATION_FAILURES.name: lambda v: "verification_failures",
-    cat.COUNTER_VIOLATIONS.name: lambda v: ("invariant_violations" if v[0] == "invariant"
-                                            else "guard_rejected_increments"),
+    cat.KV_VERIFICATION_FAILED_BLOCKS.name: lambda v: "verification_failed_blocks",
+    cat.GUARD_REJECTED_INCREMENTS.name: lambda v: "guard_rejected_increments",
+    cat.INVARIANT_VIOLATIONS.name: lambda v: "invariant_violations",
 }
 GAUGES = ("kv_cache_usage", "running", "waiting", "waiting_for_remote_kv")
 _NCOMMON = len(cat.COMMON_LABELS)
