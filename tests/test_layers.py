@@ -20,7 +20,7 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "engine": ({"engine", "metrics"}, set()),
     "exporters": ({"exporters", "metrics"}, {"prometheus_client", "opentelemetry"}),
     "instrument": ({"instrument", "metrics"}, set()),
-    "kv": ({"kv", "engine", "metrics"}, {"torch"}),
+    "kv": ({"kv", "engine", "metrics"}, {"torch", "numpy"}),
     # Not "integrations": engines register through an entry point (test below).
     "lab": ({"lab", "engine", "metrics", "exporters", "instrument", "kv"},
             {"rich", "matplotlib"}),

@@ -26,6 +26,7 @@ Two things keep it close to a plain contiguous ``copy_`` of the same bytes
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 #: About one L2 cache's worth: the gathered chunk is re-read from cache by the scatter.
@@ -51,22 +52,28 @@ def row_view(t: torch.Tensor, wide: bool = True) -> torch.Tensor:
     return flat
 
 
-def _run_starts(d: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _as_array(ids: torch.Tensor | None, n: int) -> np.ndarray:
+    if ids is None:
+        return np.arange(n, dtype=np.int64)
+    return ids.to("cpu", torch.int64).numpy()
+
+
+def _run_starts(d: np.ndarray, s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Start positions and lengths of the maximal runs where ``d`` and ``s`` both go up
-    by exactly one (vector ops only: no Python loop over blocks)."""
-    n = d.numel()
-    breaks = ((d[1:] - d[:-1]) != 1) | ((s[1:] - s[:-1]) != 1)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks.nonzero().flatten() + 1])
-    return starts, torch.diff(starts, append=torch.tensor([n]))
+    by exactly one. The index arithmetic is done in numpy on the (CPU) id tensors'
+    memory: a handful of vector ops, cheaper per call than torch's dispatch."""
+    breaks = np.flatnonzero((np.diff(d) != 1) | (np.diff(s) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    return starts, np.diff(starts, append=len(d))
 
 
 def runs(dst_ids: torch.Tensor, src_ids: torch.Tensor | None = None) -> list[tuple[int, int, int]]:
     """Maximal runs ``(dst_start, src_start, length)`` over which ``dst_ids`` and
     ``src_ids`` (default: ``0, 1, 2, ...``) both go up by exactly one."""
-    if dst_ids.numel() == 0:
+    n = dst_ids.numel()
+    if n == 0:
         return []
-    d = dst_ids.to("cpu", torch.int64)
-    s = torch.arange(d.numel()) if src_ids is None else src_ids.to("cpu", torch.int64)
+    d, s = _as_array(dst_ids, n), _as_array(src_ids, n)
     starts, lengths = _run_starts(d, s)
     return list(zip(d[starts].tolist(), s[starts].tolist(), lengths.tolist(), strict=True))
 
@@ -80,23 +87,21 @@ def copy_runs(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor,
     n = dst_ids.numel()
     if n == 0:
         return None
-    row_bytes = src[0].numel() * src.element_size()
+    row_bytes = (src.numel() // max(src.shape[0], 1)) * src.element_size()
     min_len = max(1, -(-min_run_bytes // max(row_bytes, 1)))
-    everything = torch.arange(n)
     if n < min_len:
-        return everything
-    d = dst_ids.to("cpu", torch.int64)
-    s = everything if src_ids is None else src_ids.to("cpu", torch.int64)
+        return torch.arange(n)
+    d, s = _as_array(dst_ids, n), _as_array(src_ids, n)
     starts, lengths = _run_starts(d, s)
     long = lengths >= min_len
-    if not bool(long.any()):
-        return everything  # a scattered layout: leave it all to one batched kernel
+    if not long.any():
+        return torch.arange(n)  # a scattered layout: leave it all to one batched kernel
     for d0, s0, length in zip(d[starts[long]].tolist(), s[starts[long]].tolist(),
                               lengths[long].tolist(), strict=True):
         dst[d0:d0 + length].copy_(src[s0:s0 + length], non_blocking=non_blocking)
-    if bool(long.all()):
+    if long.all():
         return None
-    return torch.repeat_interleave(~long, lengths).nonzero().flatten()
+    return torch.from_numpy(np.flatnonzero(np.repeat(~long, lengths)))
 
 
 class BlockCopier:
