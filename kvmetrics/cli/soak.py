@@ -99,9 +99,6 @@ def _run(args: argparse.Namespace) -> int:
     problem = check_output_path(args.output)
     if problem:
         return fail(f"--output: {problem}")
-    if not args.verbose:
-        for name in ("kvmetrics", "vllm"):  # findings are tallied, not logged
-            logging.getLogger(name).setLevel(logging.CRITICAL)
     shard = args.shard or Shard(0, 1)
     engines = args.engines
     campaign = Campaign(args.scenarios, args.seed, tuple(engines), args.accounting,
@@ -110,11 +107,21 @@ def _run(args: argparse.Namespace) -> int:
     if todo == 0:
         return fail(f"shard {shard} of {args.scenarios} scenarios is empty "
                     f"(use at most {args.scenarios} shards)")
+    # Findings are tallied, not logged (unless -v); the levels are restored afterwards,
+    # so that a caller of main() keeps its logging as it was.
+    quiet = {} if args.verbose else {name: logging.getLogger(name).level
+                                     for name in ("kvmetrics", "vllm")}
     bar = Progress(todo, enabled=stderr_is_tty(), unit="scenarios")
-    report = soak(args.scenarios, engines, args.seed, args.accounting, args.verify,
-                  recovery=args.recovery, jobs=args.jobs, shard=args.shard,
-                  on_progress=lambda r: bar.update(r.scenarios // len(engines)))
-    bar.close()
+    try:
+        for name in quiet:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+        report = soak(args.scenarios, engines, args.seed, args.accounting, args.verify,
+                      recovery=args.recovery, jobs=args.jobs, shard=args.shard,
+                      on_progress=lambda r: bar.update(r.scenarios // len(engines)))
+    finally:
+        bar.close()
+        for name, level in quiet.items():
+            logging.getLogger(name).setLevel(level)
     data = report.as_dict()
     if args.output:
         write_atomically(args.output, json.dumps(data, indent=2) + "\n")
