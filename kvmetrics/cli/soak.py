@@ -84,7 +84,7 @@ def print_report(data: dict[str, Any], as_json: bool) -> None:
     rows["failing_seeds"] = " ".join(failing[:SHOWN_FAILURES]) + (
         f" (+{more} more; --json lists all)" if more > 0 else "")
     for key, value in rows.items():
-        print(f"{key:<22} {'-' if value is None else value}")
+        print(f"{key:<27} {'-' if value is None else value}")
 
 
 def exit_code(report: Any) -> int:
