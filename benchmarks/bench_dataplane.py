@@ -90,7 +90,19 @@ def _timed(device: torch.device, fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def bench_loads(device: torch.device, repeat: int) -> list[dict[str, float]]:
+def bench_loads(device: torch.device, repeat: int,
+                threads: int | None = None) -> list[dict[str, float]]:
+    """``threads``: torch intra-op threads for the measurement (None: torch's default)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _bench_loads(device, repeat)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _bench_loads(device: torch.device, repeat: int) -> list[dict[str, float]]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     for (block_size, kv_dim, n), layout in itertools.product(LOAD_SHAPES, LAYOUTS):
@@ -170,15 +182,19 @@ def bench_verification(device: torch.device, repeat: int) -> list[dict[str, floa
 def run(quick: bool = False, device_spec: str = "auto") -> list[Row]:
     """The same measurements as rows of ``python -m benchmarks``' table."""
     device = resolve_device(device_spec)
-    repeat = 3 if quick else 7
+    repeat = 3 if quick else 15
     rows = []
-    for r in bench_loads(device, repeat):
-        targeted = (r["block_bytes"], r["layout"]) == TARGET_CASE
-        rows.append(Row(f"batched load ({device.type})",
-                        f"{r['layout']}: {int(r['block_bytes'])} B blocks x {int(r['blocks'])}",
-                        r["ratio"], "x of contiguous copy",
-                        f">= {TARGET_RATIO}" if targeted else "",
-                        r["ratio"] >= TARGET_RATIO if targeted else None))
+    # One intra-op thread and torch's default: on a small shared machine a multi-threaded
+    # memcpy mostly measures scheduling jitter, one thread the copy path itself.
+    for threads in (1, None):
+        label = "1 thread" if threads == 1 else f"{torch.get_num_threads()} threads"
+        for r in bench_loads(device, repeat, threads):
+            targeted = (r["block_bytes"], r["layout"]) == TARGET_CASE
+            rows.append(Row(f"batched load ({device.type}, {label})",
+                            f"{r['layout']}: {int(r['block_bytes'])} B blocks x "
+                            f"{int(r['blocks'])}", r["ratio"], "x of contiguous copy",
+                            f">= {TARGET_RATIO}" if targeted else "",
+                            r["ratio"] >= TARGET_RATIO if targeted else None))
     for r in bench_verification(device, max(1, (repeat + 1) // 2)):
         if r["mode"] != "off":
             rows.append(Row(f"verification cost ({device.type})", r["mode"],
@@ -189,6 +205,7 @@ def run(quick: bool = False, device_spec: str = "auto") -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--repeat", type=int, default=7,
                         help="timed repetitions; the best one counts (least disturbed)")
     args = parser.parse_args(argv)
@@ -197,13 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     repeat = max(1, args.repeat)
-    print(f"device {device}, torch {torch.__version__}, threads {torch.get_num_threads()}, "
+    print(f"device {device}, torch {torch.__version__}, "
+          f"threads {args.threads or torch.get_num_threads()}, "
           f"repeat {repeat}\n")
 
     print("batched store->cache load vs contiguous copy_ of the same bytes")
     print(f"{'layout':>7} {'block':>7} {'blocks':>6} {'MiB':>6} {'batched':>9} {'contig':>9} "
           f"{'naive':>9} {'ratio':>6}  (GB/s)")
-    for r in bench_loads(device, repeat):
+    for r in bench_loads(device, repeat, args.threads):
         mark = ""
         if (r["block_bytes"], r["layout"]) == TARGET_CASE:
             mark = "  meets the target" if r["ratio"] >= TARGET_RATIO else "  BELOW the target"

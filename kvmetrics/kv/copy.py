@@ -35,6 +35,9 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 #: per-call overhead of
 #: a slice copy (a few microseconds) costs more than the gather/scatter's second pass.
 DEFAULT_MIN_RUN_BYTES = 128 << 10
+#: Runs are looked for only when this many blocks or fewer make a long-enough run
+#: (blocks of at least 2 KiB with the default threshold).
+MAX_RUN_BLOCKS = 64
 
 _WIDE = ((torch.complex128, 16), (torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 
@@ -89,7 +92,9 @@ def copy_runs(dst: torch.Tensor, dst_ids: torch.Tensor, src: torch.Tensor,
         return None
     row_bytes = (src.numel() // max(src.shape[0], 1)) * src.element_size()
     min_len = max(1, -(-min_run_bytes // max(row_bytes, 1)))
-    if n < min_len:
+    if n < min_len or min_len > MAX_RUN_BLOCKS:
+        # Small blocks: a run would need so many of them that looking for runs (about
+        # 20 ns a block) costs more than the slice copies could save.
         return torch.arange(n)
     d, s = _as_array(dst_ids, n), _as_array(src_ids, n)
     starts, lengths = _run_starts(d, s)
