@@ -60,6 +60,18 @@ def test_soak_exits_1_when_the_verifier_finds_stale_kv(accounting: str) -> None:
     assert json.loads(result.stdout)["verification_failed_blocks"] > 0
 
 
+def test_historical_soak_expects_rejections_and_the_invariants_they_break() -> None:
+    """The historical run of tests/test_lab_runs.py: negative increments and the broken
+    rollback invariant they cause are what the mode is for, not a soak failure."""
+    from kvmetrics.lab.soak import Campaign, ScenarioOutcome
+
+    for accounting, failed in (("historical", False), ("unified", True)):
+        report = SoakReport(Campaign(1, 0, ("reference",), accounting, "off", "vllm"))
+        report.add(ScenarioOutcome(0, "reference", invariant_violations=3,
+                                   guard_rejected_increments=3, verification_failed_blocks=0))
+        assert report.failed is failed
+
+
 def test_historical_soak_with_only_guard_rejections_exits_0() -> None:
     # Seed 1023: the historical accounting's negative increments, refused by the guard.
     result = run_cli("soak", "--scenarios", "1", "--seed", "1023", "--accounting",

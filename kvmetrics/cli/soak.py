@@ -136,8 +136,9 @@ COMMAND = Command(
     "soak", "run many seeded random scenarios and count violations", _add, _run,
     description="Run seeded random scenarios (workload, cache size, faults, policy, aborts) "
     "and count invariant violations, guard rejections, verification failures and crashes. "
-    "Exits 1 when a scenario crashed, the verifier found stale KV, an invariant broke, or "
-    "(unified accounting) the guard rejected an increment.",
+    "Exits 1 when a scenario crashed or the verifier found stale KV (in every accounting "
+    "mode), or, under the unified accounting, an invariant broke or the guard rejected an "
+    "increment.",
     examples=(
         "kvmetrics soak --scenarios 1000 --jobs auto",
         "kvmetrics soak --scenarios 1 --seed 66           # rerun one failing scenario",

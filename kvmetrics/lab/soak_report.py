@@ -113,11 +113,15 @@ class SoakReport:
 
     @property
     def failed(self) -> bool:
-        """A finding that must fail the soak. Guard rejections are expected under the
-        historical accounting (it exists to produce them); nothing else ever is."""
-        expected_rejections = self.campaign.accounting == "historical"
-        return bool(self.errors or self.verification_failed_blocks or self.invariant_violations
-                    or (self.guard_rejected_increments and not expected_rejections))
+        """A finding that must fail the soak: a crash or stale KV, in every accounting
+        mode; and under the unified accounting also any guard rejection or broken
+        invariant. The historical accounting exists to produce negative increments,
+        and the invariants they break (a rollback "from 0 to 128"), so those are
+        expected there."""
+        if self.errors or self.verification_failed_blocks:
+            return True
+        unified = self.campaign.accounting != "historical"
+        return unified and bool(self.invariant_violations or self.guard_rejected_increments)
 
     def seed_range(self) -> range:
         return (self.shard or Shard(0, 1)).seeds(self.campaign)
