@@ -31,6 +31,11 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 LOG=.venv/install.log
 : > "$LOG"
 CONSTRAINTS=scripts/constraints.txt
+if [ -n "${KVMETRICS_TORCH_SPEC:-}" ]; then
+  # Another torch than the pinned one: keep every other pin.
+  grep -v '^torch==' scripts/constraints.txt > .venv/constraints.txt
+  CONSTRAINTS=.venv/constraints.txt
+fi
 
 # Run a step quietly; on failure show what it printed and stop.
 step() {
