@@ -151,7 +151,7 @@ def _charts(tl: _Timeline) -> list[Chart]:
 
     def preemptions(ax: Any, t: _Timeline) -> None:
         line(ax, "preemptions", t.c("preemptions"), "preemptions")
-        ax.set_ylabel(f"requests {t.per}")
+        ax.set_ylabel(f"preemptions {t.per}")
 
     def usage(ax: Any, t: _Timeline) -> None:
         line(ax, "usage", t.gauges.get("kv_cache_usage", []), "KV cache usage")
