@@ -318,6 +318,14 @@ def exporter_health() -> Panels:
             [(sum_rate(c.SERIES_OVERFLOW.name, by=("metric",)), "{{metric}}")],
             steps=p.ANY_IS_BAD, width=6,
         ),
+        p.single_stat(
+            "vLLM hooks out of action",
+            "Instrumented-scheduler hooks that this vLLM version lacks or changed (counted "
+            "once at start; the counters that need them stop) or that raised while running. "
+            "vLLM itself is unaffected; see the kvmetrics log line naming the hook.",
+            p.COUNT, f"sum by (hook) ({sel(c.INSTRUMENTATION_ERRORS.name)})",
+            legend="{{hook}}", steps=p.ANY_IS_BAD, width=6, height=6,
+        ),
         p.time_series(
             "Samples per scrape",
             "Series exposed per target: a sudden rise means a label's cardinality grew.",

@@ -80,6 +80,16 @@ INVARIANTS = (
     "recompute_within_rollback",  # recomputed after failures <= rolled back + discarded
     "counters_monotonic",         # every exported counter series is non-decreasing
 )
+#: The vLLM methods the instrumented scheduler hooks (the table in
+#: kvmetrics/integrations/vllm/hooks.py; a test keeps the two equal).
+HOOKS = (
+    "scheduler.schedule", "scheduler.update_from_output", "scheduler._preempt_request",
+    "scheduler._free_request", "scheduler._handle_invalid_blocks",
+    "scheduler._update_requests_with_invalid_blocks", "scheduler._handle_failed_recving",
+    "kv_cache_manager.record_prefix_cache_stats", "kv_cache_manager.evict_blocks",
+    "kv_cache_manager.reset_prefix_cache", "block_pool._maybe_evict_cached_block",
+    "connector.update_state_after_alloc",
+)
 
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one
 #: block fails and a cache-wide scan when thousands do.
@@ -180,6 +190,13 @@ RECOVERY_DURATION = MetricSpec(
     "Wall time spent in the KV-load recovery path, per scheduler step that ran it.",
     unit="seconds", buckets=RECOVERY_BUCKETS,
 )
+INSTRUMENTATION_ERRORS = MetricSpec(
+    "kvmetrics_instrumentation_errors_total", "counter",
+    "vLLM hooks of the instrumented scheduler that are unusable (missing or with a changed "
+    "signature in this vLLM version: counted once at start, and the counters that need "
+    "the hook stop) or that raised while running. vLLM itself is never affected.",
+    unit="errors", labels={"hook": HOOKS},
+)
 BUILD_INFO = MetricSpec(
     "kvmetrics_build_info", "info",
     "kvmetrics version and the kind of engine it instruments (value is always 1).",
@@ -200,6 +217,7 @@ EVENT_COUNTERS: tuple[MetricSpec, ...] = (
     FINISHED_REQUESTS,
     KV_VERIFIED_TOKENS,
     KV_VERIFICATION_FAILED_BLOCKS,
+    INSTRUMENTATION_ERRORS,
 )
 
 GUARD_REJECTED_INCREMENTS = MetricSpec(

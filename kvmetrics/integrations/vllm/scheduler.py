@@ -21,7 +21,12 @@ Events are taken at vLLM's own decision points:
 - preemptions: ``_preempt_request``; finishes: ``_free_request``.
 
 Nothing a hook does may raise into vLLM: a fault is logged and the step goes on
-(only strict mode raises :class:`CounterViolationError`, on purpose).
+(only strict mode raises :class:`CounterViolationError`, on purpose). Every hooked
+vLLM method is listed in :mod:`kvmetrics.integrations.vllm.hooks` and checked at
+construction; overrides take ``*args, **kwargs`` and hand them to vLLM untouched,
+so a new optional parameter passes through. A missing or changed method turns off
+only its hook and the counter families that need it, and is counted (like a hook
+that raises) in ``kvmetrics_instrumentation_errors_total{hook}``.
 """
 
 from __future__ import annotations
@@ -29,15 +34,17 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from kvmetrics.integrations.vllm import hooks
 from kvmetrics.integrations.vllm.exporting import Exporter, build_exporter, settings_for
 from kvmetrics.integrations.vllm.recorder import StepRecorder
+from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import GaugeReadings, PoolSnapshot, StepEvents
 from kvmetrics.metrics.guard import CounterViolationError
 from kvmetrics.metrics.pipeline import MetricsPipeline
@@ -50,22 +57,30 @@ log = logging.getLogger("kvmetrics.vllm")
 POOL_AUDIT_EVERY = 100
 
 
-def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
-    """Run a metrics hook; log its faults instead of raising them into vLLM."""
+def _guarded(hook: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Run the metrics side of ``hook``; count and log its faults, never raise them."""
 
-    @functools.wraps(fn)
-    def run(self: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(self, *args, **kwargs)
-        except CounterViolationError:
-            raise
-        except Exception:
-            if not getattr(self, "_kv_fault_logged", False):
-                self._kv_fault_logged = True
-                log.exception("kvmetrics hook %s failed; metrics may be incomplete",
-                              fn.__name__)
+    def wrap(fn: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(fn)
+        def run(self: Any, *args: Any, **kwargs: Any) -> None:
+            try:
+                fn(self, *args, **kwargs)
+            except CounterViolationError:
+                raise
+            except Exception:
+                self._kv_hook_failed(hook)
 
-    return run
+        return run
+
+    return wrap
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str,
+         default: Any = None) -> Any:
+    """A hooked method's argument by position or keyword, as vLLM passed it."""
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
 
 
 class InstrumentedMixin:
@@ -78,12 +93,18 @@ class InstrumentedMixin:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self._kv_ready: list[StepEvents] = []
         self._kv_step = 0
-        self._kv_fault_logged = False
         self.kvmetrics_exporter = None
         self.kvmetrics_pipeline = None
+        #: Hook name -> why it is out (missing, changed signature); set at construction.
+        self.kvmetrics_broken_hooks: dict[str, str] = {}
+        self._kv_disabled: frozenset[str] = frozenset()
+        #: Hook faults since the last recorded step, and the hooks already logged.
+        self._kv_errors: dict[str, int] = {}
+        self._kv_logged: set[str] = set()
         me: Any = self
         policy = "recompute" if me.recompute_kv_load_failures else "fail"
         self._kv = StepRecorder(me.block_size, policy, me.connector is not None)
+        self._kv_check_hooks()
         try:
             self._kv_install_wrappers()
         except Exception:
@@ -95,62 +116,105 @@ class InstrumentedMixin:
                 self.kvmetrics_pipeline = self.kvmetrics_exporter.pipeline
         except Exception:
             log.exception("kvmetrics export disabled: settings or exporter failed")
+        if self.kvmetrics_broken_hooks:
+            # Visible on the endpoint from the start, before any request.
+            self._kv_record(StepEvents(step=0))
+
+    # -- hook checks ---------------------------------------------------------------------
+
+    def _kv_vllm_base(self) -> type:
+        """vLLM's scheduler class under this mixin (whose methods are the ones hooked)."""
+        mro = type(self).__mro__
+        return mro[mro.index(InstrumentedMixin) + 1]
+
+    def _kv_check_hooks(self) -> None:
+        try:
+            broken = hooks.check_hooks(self, self._kv_vllm_base())
+        except Exception:
+            log.exception("kvmetrics could not check vLLM's hooks; assuming they match")
+            return
+        self.kvmetrics_broken_hooks = broken
+        self._kv_disabled = hooks.disabled_families(broken)
+        for name, problem in broken.items():
+            self._kv_errors[name] = self._kv_errors.get(name, 0) + 1
+            self._kv_logged.add(name)
+            log.warning("kvmetrics: vLLM hook %s unusable (%s); counters that need it are "
+                        "off: %s", name, problem,
+                        ", ".join(sorted(hooks.BY_NAME[name].families)) or "none")
+
+    def _kv_on(self, hook: str) -> bool:
+        return hook not in self.kvmetrics_broken_hooks
+
+    def _kv_hook_failed(self, hook: str) -> None:
+        """A hook raised: count it on the endpoint, log its first fault (with traceback)."""
+        self._kv_errors[hook] = self._kv_errors.get(hook, 0) + 1
+        if hook not in self._kv_logged:
+            self._kv_logged.add(hook)
+            log.exception("kvmetrics hook %s failed; metrics may be incomplete", hook)
 
     # -- wrappers on vLLM's helper objects (instance attributes, this scheduler only) ----
 
     def _kv_install_wrappers(self) -> None:
         me: Any = self
         kvm = me.kv_cache_manager
-        pool = kvm.block_pool
+        on = self._kv_on
         call = self._kv_call_guarded
 
-        record_stats = kvm.record_prefix_cache_stats
+        if on("kv_cache_manager.record_prefix_cache_stats"):
+            record_stats = kvm.record_prefix_cache_stats
 
-        def record_prefix_cache_stats(request: Any, num_hits: int) -> None:
-            record_stats(request, num_hits)
-            call("lookup", request.request_id, request.num_tokens, request.num_prompt_tokens,
-                 request.num_preemptions, num_hits)
+            def record_prefix_cache_stats(request: Any, num_hits: int, *args: Any,
+                                          **kwargs: Any) -> Any:
+                result = record_stats(request, num_hits, *args, **kwargs)
+                call("kv_cache_manager.record_prefix_cache_stats", "lookup", request.request_id,
+                     request.num_tokens, request.num_prompt_tokens, request.num_preemptions,
+                     num_hits)
+                return result
 
-        kvm.record_prefix_cache_stats = record_prefix_cache_stats
+            kvm.record_prefix_cache_stats = record_prefix_cache_stats
 
-        evict_blocks = kvm.evict_blocks
+        if on("kv_cache_manager.evict_blocks"):
+            evict_blocks = kvm.evict_blocks
 
-        def evict_blocks_hook(block_ids: set[int]) -> None:
-            call("set_evict_cause", "kv_load_failure")
-            try:
-                evict_blocks(block_ids)
-            finally:
-                call("set_evict_cause", "capacity")
+            def evict_blocks_hook(*args: Any, **kwargs: Any) -> Any:
+                call("kv_cache_manager.evict_blocks", "set_evict_cause", "kv_load_failure")
+                try:
+                    return evict_blocks(*args, **kwargs)
+                finally:
+                    call("kv_cache_manager.evict_blocks", "set_evict_cause", "capacity")
 
-        kvm.evict_blocks = evict_blocks_hook
+            kvm.evict_blocks = evict_blocks_hook
 
-        maybe_evict = pool._maybe_evict_cached_block
+        if on("block_pool._maybe_evict_cached_block"):
+            pool = kvm.block_pool
+            maybe_evict = pool._maybe_evict_cached_block
 
-        def maybe_evict_hook(block: Any) -> bool:
-            evicted = maybe_evict(block)
-            if evicted:
-                call("evicted", 1)
-            return evicted
+            def maybe_evict_hook(*args: Any, **kwargs: Any) -> Any:
+                evicted = maybe_evict(*args, **kwargs)
+                if evicted:
+                    call("block_pool._maybe_evict_cached_block", "evicted", 1)
+                return evicted
 
-        pool._maybe_evict_cached_block = maybe_evict_hook
+            pool._maybe_evict_cached_block = maybe_evict_hook
 
-        reset = kvm.reset_prefix_cache
+        if on("kv_cache_manager.reset_prefix_cache"):
+            reset = kvm.reset_prefix_cache
 
-        def reset_hook() -> bool:
-            cached = sum(1 for b in pool.blocks if b.block_hash is not None and not b.is_null)
-            ok = reset()
-            if ok and cached:
-                call("evicted", cached, "reset")
-            return ok
+            def reset_hook(*args: Any, **kwargs: Any) -> Any:
+                cached = self._kv_count_cached()
+                ok = reset(*args, **kwargs)
+                if ok and cached:
+                    call("kv_cache_manager.reset_prefix_cache", "evicted", cached, "reset")
+                return ok
 
-        kvm.reset_prefix_cache = reset_hook
+            kvm.reset_prefix_cache = reset_hook
 
-        if me.connector is not None:
+        if me.connector is not None and on("connector.update_state_after_alloc"):
             after_alloc = me.connector.update_state_after_alloc
 
-            def update_state_after_alloc(request: Any, blocks: Any,
-                                         num_external_tokens: int) -> Any:
-                result = after_alloc(request, blocks, num_external_tokens)
+            def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int,
+                                         *args: Any, **kwargs: Any) -> Any:
+                result = after_alloc(request, blocks, num_external_tokens, *args, **kwargs)
                 if num_external_tokens > 0:
                     try:
                         block_ids = list(blocks.get_block_ids()[0])
@@ -158,30 +222,41 @@ class InstrumentedMixin:
                         block_ids = []
                 else:
                     block_ids = []
-                call("allocated", request.request_id, block_ids, num_external_tokens)
+                call("connector.update_state_after_alloc", "allocated", request.request_id,
+                     block_ids, num_external_tokens)
                 return result
 
             me.connector.update_state_after_alloc = update_state_after_alloc
 
-    def _kv_call_guarded(self, method: str, *args: Any) -> None:
-        """Call a recorder method by name; same fault policy as :func:`_guarded`."""
+    def _kv_count_cached(self) -> int:
+        """Blocks with a prefix-cache entry (read before a reset drops them all)."""
+        try:
+            pool: Any = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
+            return sum(1 for b in pool.blocks if b.block_hash is not None and not b.is_null)
+        except Exception:
+            self._kv_hook_failed("kv_cache_manager.reset_prefix_cache")
+            return 0
+
+    def _kv_call_guarded(self, hook: str, method: str, *args: Any) -> None:
+        """Call a recorder method by name for ``hook``; same fault policy as :func:`_guarded`."""
         try:
             getattr(self._kv, method)(*args)
         except CounterViolationError:
             raise
         except Exception:
-            if not self._kv_fault_logged:
-                self._kv_fault_logged = True
-                log.exception("kvmetrics hook %s failed; metrics may be incomplete", method)
+            self._kv_hook_failed(hook)
 
     # -- scheduling --------------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        self._kv_after_schedule(out)
+        if self._kv_on("scheduler.schedule"):
+            self._kv_after_schedule(out)
+        else:
+            self._kv.new_loads.clear()  # nobody will resolve their mode
         return out
 
-    @_guarded
+    @_guarded("scheduler.schedule")
     def _kv_after_schedule(self, out: Any) -> None:
         me: Any = self
         requests = me.requests
@@ -194,45 +269,76 @@ class InstrumentedMixin:
         self._kv.scheduled(id(out), out.num_scheduled_tokens,
                            lambda rid: requests[rid].num_computed_tokens, async_admitted)
 
-    def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> None:
-        computed = request.num_computed_tokens
-        super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
-        self._kv_call_guarded("preempted", request.request_id, computed)
+    def _preempt_request(self, *args: Any, **kwargs: Any) -> Any:
+        hook = "scheduler._preempt_request"
+        if not self._kv_on(hook):
+            return super()._preempt_request(*args, **kwargs)  # type: ignore[misc]
+        request = _arg(args, kwargs, 0, "request")
+        computed = getattr(request, "num_computed_tokens", 0)
+        result = super()._preempt_request(*args, **kwargs)  # type: ignore[misc]
+        self._kv_call_guarded(hook, "preempted", request.request_id, computed)
+        return result
 
-    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        self._kv_call_guarded("finished", request.request_id, request.status.name)
-        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+    def _free_request(self, *args: Any, **kwargs: Any) -> Any:
+        hook = "scheduler._free_request"
+        if self._kv_on(hook):
+            request = _arg(args, kwargs, 0, "request")
+            try:
+                rid, status = request.request_id, request.status.name
+            except Exception:
+                self._kv_hook_failed(hook)
+            else:
+                self._kv_call_guarded(hook, "finished", rid, status)
+        return super()._free_request(*args, **kwargs)  # type: ignore[misc]
 
     # -- recovery path -----------------------------------------------------------------
 
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int],
-                               num_scheduled_tokens: dict[str, int]) -> set[str]:
+    def _handle_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._kv_on("scheduler._handle_invalid_blocks"):
+            return super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
         t0 = time.perf_counter()
         try:
-            return super()._handle_invalid_blocks(  # type: ignore[misc]
-                invalid_block_ids, num_scheduled_tokens)
+            return super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
         finally:
             self._kv_recovery_time(time.perf_counter() - t0)
 
-    @_guarded
+    @_guarded("scheduler._handle_invalid_blocks")
     def _kv_recovery_time(self, seconds: float) -> None:
         ev = self._kv.events
         ev.recovery_seconds = (ev.recovery_seconds or 0.0) + seconds
 
-    def _update_requests_with_invalid_blocks(
-        self, requests: Iterable[Any], invalid_block_ids: set[int],
-        num_scheduled_tokens: dict[str, int], evict_blocks: bool = True,
-    ) -> tuple[set[str], int, set[int]]:
-        scanned = list(requests)  # vLLM passes a generator for async loads
-        before = {r.request_id: r.num_computed_tokens - num_scheduled_tokens.get(r.request_id, 0)
-                  for r in scanned}
+    def _update_requests_with_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        hook = "scheduler._update_requests_with_invalid_blocks"
+        if not self._kv_on(hook):
+            return super()._update_requests_with_invalid_blocks(  # type: ignore[misc]
+                *args, **kwargs)
+        # vLLM passes a generator for async loads: read it once, hand vLLM the list.
+        if args:
+            scanned = list(args[0])
+            args = (scanned, *args[1:])
+        else:
+            scanned = list(kwargs.get("requests", ()))
+            kwargs["requests"] = scanned
+        num_scheduled: dict[str, int] = _arg(args, kwargs, 2, "num_scheduled_tokens", {})
+        evict = bool(_arg(args, kwargs, 3, "evict_blocks", True))
+        before = self._kv_before_rollback(scanned, num_scheduled)
         result = super()._update_requests_with_invalid_blocks(  # type: ignore[misc]
-            scanned, invalid_block_ids, num_scheduled_tokens, evict_blocks)
-        self._kv_rolled_back(scanned, result[0], before, num_scheduled_tokens,
-                             "sync" if evict_blocks else "async")
+            *args, **kwargs)
+        if before is not None:
+            self._kv_rolled_back(scanned, result[0], before, num_scheduled,
+                                 "sync" if evict else "async")
         return result
 
-    @_guarded
+    def _kv_before_rollback(self, scanned: list[Any],
+                            num_scheduled: dict[str, int]) -> dict[str, int] | None:
+        try:
+            return {r.request_id: r.num_computed_tokens - num_scheduled.get(r.request_id, 0)
+                    for r in scanned}
+        except Exception:
+            self._kv_hook_failed("scheduler._update_requests_with_invalid_blocks")
+            return None
+
+    @_guarded("scheduler._update_requests_with_invalid_blocks")
     def _kv_rolled_back(self, scanned: list[Any], affected: set[str], before: dict[str, int],
                         num_scheduled: dict[str, int], mode: str) -> None:
         for request in scanned:
@@ -241,15 +347,23 @@ class InstrumentedMixin:
                 self._kv.rolled_back(mode, rid, before[rid], request.num_computed_tokens,
                                      num_scheduled.get(rid, 0))
 
-    def _handle_failed_recving(self, failed_req_ids: set[str]) -> set[str]:
+    def _handle_failed_recving(self, *args: Any, **kwargs: Any) -> Any:
+        hook = "scheduler._handle_failed_recving"
+        if not self._kv_on(hook):
+            return super()._handle_failed_recving(*args, **kwargs)  # type: ignore[misc]
         me: Any = self
+        failed_req_ids = _arg(args, kwargs, 0, "failed_req_ids", ())
         waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
-        hit = {rid: me.requests[rid].num_computed_tokens for rid in failed_req_ids
-               if rid in me.requests and me.requests[rid].status == waiting}
-        result = super()._handle_failed_recving(failed_req_ids)  # type: ignore[misc]
+        try:
+            hit = {rid: me.requests[rid].num_computed_tokens for rid in failed_req_ids
+                   if rid in me.requests and me.requests[rid].status == waiting}
+        except Exception:
+            self._kv_hook_failed(hook)
+            hit = {}
+        result = super()._handle_failed_recving(*args, **kwargs)  # type: ignore[misc]
         # vLLM resets the computed count to 0 (recompute) or fails the request.
         for rid, before in hit.items():
-            self._kv_call_guarded("rolled_back", "async", rid, before, 0, 0)
+            self._kv_call_guarded(hook, "rolled_back", "async", rid, before, 0, 0)
         return result
 
     # -- output ------------------------------------------------------------------------
@@ -257,16 +371,19 @@ class InstrumentedMixin:
     def kvmetrics_merge(self, events: StepEvents | None) -> None:
         """Fold a model runner's own events (verification) into the current step."""
         if events is not None:
-            self._kv_call_guarded("merge_events", events)
+            self._kv_call_guarded("scheduler.update_from_output", "merge_events", events)
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        self._kv_before_output(scheduler_output, model_runner_output)
-        result = super().update_from_output(  # type: ignore[misc]
-            scheduler_output, model_runner_output)
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        hook = "scheduler.update_from_output"
+        if not self._kv_on(hook):
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        self._kv_before_output(_arg(args, kwargs, 0, "scheduler_output"),
+                               _arg(args, kwargs, 1, "model_runner_output"))
+        result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
         self._kv_end_step()
         return result
 
-    @_guarded
+    @_guarded("scheduler.update_from_output")
     def _kv_before_output(self, scheduler_output: Any, model_runner_output: Any) -> None:
         kv_out = model_runner_output.kv_connector_output
         if kv_out is None:
@@ -277,13 +394,30 @@ class InstrumentedMixin:
                             set(getattr(kv_out, "failed_recving", None) or ()))
 
     def _kv_end_step(self) -> None:
+        hook = "scheduler.update_from_output"
         self._kv_step += 1
         try:
             events = self._kv.take_step(self._kv_step)
+        except Exception:
+            self._kv_hook_failed(hook)
+            events = StepEvents(step=self._kv_step)
+        try:
             self._kv_gauges(events)
         except Exception:
-            log.exception("kvmetrics could not close step %d", self._kv_step)
-            return
+            self._kv_hook_failed(hook)
+        self._kv_record(events)
+
+    def _kv_record(self, events: StepEvents) -> None:
+        """Hand a step's events on: counters of disabled hooks out, hook faults in."""
+        if self._kv_disabled:
+            off = self._kv_disabled
+            events.increments = [i for i in events.increments if i.spec.name not in off]
+            if cat.RECOVERY_DURATION.name in off:
+                events.recovery_seconds = None
+        if self._kv_errors:
+            errors, self._kv_errors = self._kv_errors, {}
+            for hook, n in errors.items():
+                events.count(cat.INSTRUMENTATION_ERRORS, n, hook)
         pipeline = self.kvmetrics_pipeline
         if pipeline is None:
             self._kv_ready.append(events)
@@ -294,7 +428,7 @@ class InstrumentedMixin:
             raise
         except Exception:
             log.exception("kvmetrics failed to record step %d; the engine continues",
-                          self._kv_step)
+                          events.step)
 
     def _kv_gauges(self, events: StepEvents) -> None:
         me: Any = self

@@ -1,0 +1,134 @@
+"""Every vLLM method the instrumented scheduler hooks, with the signature it expects.
+
+vLLM's scheduler internals change between releases. Rather than failing inside
+``schedule()`` when one does, :class:`InstrumentedMixin` checks this table once at
+construction: each method must exist and its leading parameters must carry the
+names listed here (later parameters are fine if they have defaults, and are
+passed through untouched). A hook that fails the check is left out; only the
+counter families that need it stop counting, one log line names it, and
+``kvmetrics_instrumentation_errors_total{hook}`` shows it on the endpoint. The
+same counter also counts a hook that raises at run time.
+
+The label values of that counter are :data:`kvmetrics.metrics.catalogue.HOOKS`;
+a test keeps the two lists equal.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvmetrics.metrics import catalogue as cat
+
+#: Where a hooked method lives, relative to the scheduler instance.
+OWNERS = ("scheduler", "kv_cache_manager", "block_pool", "connector")
+
+
+@dataclass(frozen=True)
+class Hook:
+    owner: str
+    method: str
+    #: Leading parameters after ``self``, by name, in order.
+    params: tuple[str, ...]
+    #: Counter families (catalogue names) computed from what this hook sees.
+    families: tuple[str, ...]
+    #: Only checked when the scheduler has a KV connector.
+    needs_connector: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.method}"
+
+
+_LOOKUPS = (cat.PREFIX_CACHE_QUERY_TOKENS.name, cat.PREFIX_CACHE_HIT_TOKENS.name,
+            cat.PROMPT_TOKENS.name)
+_RECOVERY = (cat.ROLLED_BACK_TOKENS.name, cat.KV_LOAD_FAILED_REQUESTS.name,
+             cat.RECOMPUTED_TOKENS.name)
+_EVERY = tuple(s.name for s in cat.COUNTERS if s is not cat.INSTRUMENTATION_ERRORS) + (
+    cat.RECOVERY_DURATION.name,)
+
+HOOKS: tuple[Hook, ...] = (
+    Hook("scheduler", "schedule", (), (cat.KV_LOAD_BLOCKS.name, cat.RECOMPUTED_TOKENS.name)),
+    # Every step's events are recorded at its end: nothing counts without it.
+    Hook("scheduler", "update_from_output", ("scheduler_output", "model_runner_output"),
+         _EVERY),
+    Hook("scheduler", "_preempt_request", ("request", "timestamp"),
+         (cat.PREEMPTIONS.name, cat.RECOMPUTED_TOKENS.name)),
+    Hook("scheduler", "_free_request", ("request",), (cat.FINISHED_REQUESTS.name,)),
+    Hook("scheduler", "_handle_invalid_blocks", ("invalid_block_ids", "num_scheduled_tokens"),
+         (cat.RECOVERY_DURATION.name,)),
+    Hook("scheduler", "_update_requests_with_invalid_blocks",
+         ("requests", "invalid_block_ids", "num_scheduled_tokens", "evict_blocks"), _RECOVERY),
+    Hook("scheduler", "_handle_failed_recving", ("failed_req_ids",), _RECOVERY),
+    Hook("kv_cache_manager", "record_prefix_cache_stats", ("request", "num_hits"),
+         _LOOKUPS + (cat.KV_LOAD_BLOCKS.name,)),
+    Hook("kv_cache_manager", "evict_blocks", ("block_ids",), (cat.EVICTED_BLOCKS.name,)),
+    Hook("kv_cache_manager", "reset_prefix_cache", (), (cat.EVICTED_BLOCKS.name,)),
+    Hook("block_pool", "_maybe_evict_cached_block", ("block",), (cat.EVICTED_BLOCKS.name,)),
+    Hook("connector", "update_state_after_alloc", ("request", "blocks", "num_external_tokens"),
+         _LOOKUPS + (cat.KV_LOAD_BLOCKS.name,), needs_connector=True),
+)
+
+BY_NAME: dict[str, Hook] = {hook.name: hook for hook in HOOKS}
+
+
+def owner_class(scheduler: Any, owner: str, base: type) -> type:
+    """The class whose method is hooked: vLLM's own scheduler class for scheduler methods
+    (``base``, so our overrides are not what gets checked), else the helper object's
+    class (so the wrappers we install on the instance are not either)."""
+    if owner == "scheduler":
+        return base
+    if owner == "kv_cache_manager":
+        return type(scheduler.kv_cache_manager)
+    if owner == "block_pool":
+        return type(scheduler.kv_cache_manager.block_pool)
+    return type(scheduler.connector)
+
+
+def signature_problem(fn: Callable[..., Any] | None, hook: Hook, unbound: bool) -> str | None:
+    """Why ``fn`` does not match ``hook`` (None when it does)."""
+    if fn is None or not callable(fn):
+        return "missing"
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return "signature unreadable"
+    if unbound and params:
+        params = params[1:]  # self
+    positional = [p for p in params
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = tuple(p.name for p in positional[:len(hook.params)])
+    if names != hook.params:
+        return f"expected parameters {hook.params}, found {tuple(p.name for p in positional)}"
+    for p in positional[len(hook.params):]:
+        if p.default is p.empty:
+            return f"new required parameter {p.name!r}"
+    if any(p.kind == p.KEYWORD_ONLY and p.default is p.empty for p in params):
+        return "new required keyword-only parameter"
+    return None
+
+
+def check_hooks(scheduler: Any, base: type) -> dict[str, str]:
+    """``{hook name: problem}`` for every hook that cannot be used on this scheduler."""
+    problems: dict[str, str] = {}
+    has_connector = getattr(scheduler, "connector", None) is not None
+    for hook in HOOKS:
+        if hook.needs_connector and not has_connector:
+            continue
+        try:
+            owner = owner_class(scheduler, hook.owner, base)
+        except AttributeError as e:
+            problems[hook.name] = f"owner missing ({e})"
+            continue
+        fn = getattr(owner, hook.method, None)
+        problem = signature_problem(fn, hook, unbound=True)
+        if problem is not None:
+            problems[hook.name] = problem
+    return problems
+
+
+def disabled_families(broken: set[str] | dict[str, str]) -> frozenset[str]:
+    """Counter families that must stop counting when these hooks are out."""
+    return frozenset(f for name in broken for f in BY_NAME[name].families)

