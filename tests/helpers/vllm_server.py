@@ -12,13 +12,14 @@ with the command to fix it, never a skip. The model is a folder holding the
 vLLM's ``--load-format dummy`` weights are so small that every prompt gives the same
 output, which would make "outputs equal the fault-free run" prove nothing), served
 without a tokenizer, in eager mode and float32, so prompts go in as token ids and
-``temperature=0`` decoding is repeatable. Everything binds 127.0.0.1 on free ports; the server is started in a
-session of its own and stopped by signalling that whole process group (API
-server, EngineCore and worker), then waited for.
+``temperature=0`` decoding is repeatable. Everything binds 127.0.0.1 on free
+ports; the server is started in a session of its own and stopped by signalling
+that whole process group (API server, EngineCore and worker), then waited for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -230,27 +231,19 @@ class VllmServer:
         if process is None:
             return
         if process.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
         self._reap_group()
 
     def _reap_group(self) -> None:
         """Kill any process left in the server's group (the EngineCore, its worker)."""
         assert self.process is not None
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
     def __enter__(self) -> VllmServer:
         return self.start()
