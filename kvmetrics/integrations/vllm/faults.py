@@ -25,9 +25,10 @@ connector interface is forwarded to it. The wrapper only adds:
   workers in the connector metadata, so every tensor-parallel worker fails the
   same blocks.
 * **The failure happens on the worker side**, after the inner connector wrote the
-  load: the failed blocks are filled with NaN in every layer's KV cache (so what
-  a request would read there is poison, never a silently plausible leftover) and
-  reported through ``get_block_ids_with_load_errors``. Sync loads fail in the
+  load: the failed blocks are overwritten with large seeded noise in every layer's
+  KV cache (so a request that reads them is visibly thrown off, instead of
+  finding a plausible leftover; finite, see :func:`poison_blocks`) and reported
+  through ``get_block_ids_with_load_errors``. Sync loads fail in the
   pass that loads them; the inner connector's async loads fail in the pass where
   it reports the request as finished receiving, as vLLM's interface asks.
 * **Async failures for an inner connector that loads only synchronously**
@@ -37,7 +38,8 @@ connector interface is forwarded to it. The wrapper only adds:
   block of the load failed and poisoned (a partly valid load is impossible, as
   nothing was loaded). vLLM's async recovery path then runs exactly as for a real
   async connector; the retried request loads through the inner connector.
-  Loads not chosen stay synchronous and untouched.
+  Loads not chosen stay synchronous and untouched. ``fault_mode="mixed"`` draws,
+  per failing load and from the same seed, which of the two ways it fails.
 
 Every setting is checked when vLLM builds the connector (scheduler and workers);
 a bad one raises :class:`FaultConfigError`, a one-line message naming the key,
@@ -70,7 +72,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 log = logging.getLogger("vllm.kvmetrics.faults")
 
 PREFIX = "FaultInjectingConnector: kv_connector_extra_config"
-FAULT_MODES = ("inner", "async")
+FAULT_MODES = ("inner", "async", "mixed")
 
 
 class FaultConfigError(ValueError):
@@ -165,6 +167,16 @@ class FaultPlan:
         index = block if block >= 0 else num_blocks + block
         return min(max(index, 0), num_blocks - 1)
 
+    def emulates_async(self, number: int) -> bool:
+        """Whether failing load ``number`` is turned into a wrapper-finished async load."""
+        mode = self.settings.fault_mode
+        if mode != "mixed":
+            return mode == "async"
+        rng = self._rng(number)
+        rng.random()
+        rng.random()
+        return rng.random() < 0.5
+
     def _rng(self, number: int) -> random.Random:
         return random.Random(self.settings.fault_seed * 1_000_003 + number)
 
@@ -220,15 +232,25 @@ def _settings_from(kv_transfer_config: Any) -> FaultSettings:
     return parse_settings(getattr(kv_transfer_config, "kv_connector_extra_config", None))
 
 
+#: Scale of the noise written into failed blocks: far outside what a model's K/V hold,
+#: so a request that reads a poisoned block as context is thrown off visibly.
+POISON_SCALE = 64.0
+
+
 def poison_blocks(kv_caches: Mapping[str, torch.Tensor], block_ids: Iterable[int],
                   num_blocks: int) -> list[str]:
-    """Fill the given blocks of every layer with NaN (max for integer caches).
+    """Overwrite the given blocks of every layer with large seeded noise.
 
+    Finite on purpose: NaN would also corrupt *other* requests, because attention
+    kernels multiply the masked (unused) slots of a block by a zero weight and
+    0 x NaN is NaN; a block freed after the failed step keeps NaN-derived values in
+    slots the next owner has not written yet (seen on vLLM's CPU attention). A real
+    failed load leaves finite garbage, so finite noise rehearses exactly that.
     vLLM's per-layer KV views put the block index first (``[blocks, ...]``); a
     layer laid out otherwise is left alone and its name returned.
     """
     ids = sorted(set(block_ids))
-    skipped = []
+    skipped: list[str] = []
     if not ids:
         return skipped
     for name, tensor in kv_caches.items():
@@ -240,9 +262,14 @@ def poison_blocks(kv_caches: Mapping[str, torch.Tensor], block_ids: Iterable[int
         if dim is None or ids[-1] >= tensor.shape[dim]:
             skipped.append(name)
             continue
-        index = torch.tensor(ids, dtype=torch.long, device=tensor.device)
-        value = float("nan") if tensor.dtype.is_floating_point else torch.iinfo(tensor.dtype).max
-        tensor.index_fill_(dim, index, value)
+        for block in ids:
+            view = tensor.select(dim, block)
+            gen = torch.Generator().manual_seed(1_000_003 * block + 17)
+            noise = torch.randn(view.shape, generator=gen) * POISON_SCALE
+            if not tensor.dtype.is_floating_point:
+                info = torch.iinfo(tensor.dtype)
+                noise = noise.round().clamp(info.min, info.max)
+            view.copy_(noise.to(dtype=tensor.dtype, device=tensor.device))
     return skipped
 
 
@@ -314,8 +341,9 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._lookups[rid] = (num_computed_tokens, bool(load_async))
         self._emulated.discard(rid)
-        if (tokens and not load_async and self.settings.fault_mode == "async"
-                and self.plan.fails(self._loads + 1)):
+        number = self._loads + 1
+        if (tokens and not load_async and self.settings.fault_mode != "inner"
+                and self.plan.fails(number) and self.plan.emulates_async(number)):
             # The next load fails: offer it as async, to be finished by the wrapper.
             self._emulated.add(rid)
             return tokens, True
