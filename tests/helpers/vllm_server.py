@@ -324,3 +324,48 @@ def output_tokens(body: dict[str, Any]) -> list[int]:
     if ids is None:
         raise ServerError(f"no token_ids in the answer: {body}")
     return list(ids)
+
+
+def total(page: str, name: str, **labels: str) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = 0.0
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v
+                                           for k, v in labels.items()):
+                found += sample.value
+    return found
+
+
+def wait_until(check: Any, timeout: float, what: str, interval: float = 0.5) -> Any:
+    """Call ``check`` until it returns something truthy (vLLM publishes its stats on an
+    interval, so a value is polled for with a deadline, never slept for)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = check()
+        except (OSError, ServerError) as e:
+            last = e
+        else:
+            if last:
+                return last
+        if time.monotonic() > deadline:
+            raise ServerError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+def greedy_prompts(count: int, seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Distinct token-id prompts (ids 3..1002) of the given lengths, cycled."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1003) for _ in range(lengths[i % len(lengths)])]
+            for i in range(count)]
+
+
+def request_id_of(body: dict[str, Any]) -> str:
+    """The completion's id (vLLM's engine request id starts with it)."""
+    return str(body.get("id", ""))
