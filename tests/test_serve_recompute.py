@@ -42,9 +42,11 @@ import yaml
 from tests.helpers.prometheus import running_prometheus, scrape_config
 from tests.helpers.vllm_server import (
     BLOCK_SIZE,
+    CONNECTOR_PROMPTS,
     ServerSpec,
     VllmServer,
-    greedy_prompts,
+    connector_config,
+    loaded_tokens,
     output_tokens,
     request_id_of,
     total,
@@ -53,29 +55,12 @@ from tests.helpers.vllm_server import (
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
-PROMPTS = greedy_prompts(10, seed=5, lengths=(100, 70, 130, 150))
+PROMPTS = CONNECTOR_PROMPTS
 MAX_TOKENS = 10
 RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
                        r"\((\d+) tokens affected\)")
 INJECTED = re.compile(r"failing load #(\d+) of request (\S+) \((sync|async|emulated)\): "
                       r"blocks \[([\d, ]*)\]")
-
-
-def loaded_tokens(prompt: list[int]) -> int:
-    """What ExampleConnector loads: the prompt minus its last token, in whole blocks."""
-    return (len(prompt) - 2) // BLOCK_SIZE * BLOCK_SIZE
-
-
-def connector_config(storage: Path, policy: str) -> dict:
-    return {
-        "kv_connector": "FaultInjectingConnector",
-        "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
-        "kv_role": "kv_both", "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {
-            "inner_connector": "ExampleConnector",
-            "inner_extra_config": {"shared_storage_path": str(storage)},
-            "fault_rate": 0.5, "fault_seed": 3, "fault_mode": "mixed"},
-    }
 
 
 @pytest.fixture(scope="module")

@@ -369,3 +369,25 @@ def greedy_prompts(count: int, seed: int, lengths: tuple[int, ...]) -> list[list
 def request_id_of(body: dict[str, Any]) -> str:
     """The completion's id (vLLM's engine request id starts with it)."""
     return str(body.get("id", ""))
+
+
+def loaded_tokens(prompt: list[int]) -> int:
+    """What ExampleConnector loads: the prompt minus its last token, in whole blocks."""
+    return (len(prompt) - 2) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def connector_config(storage: Path, policy: str, **faults: Any) -> dict[str, Any]:
+    """FaultInjectingConnector around ExampleConnector; a seeded half of loads fail."""
+    return {
+        "kv_connector": "FaultInjectingConnector",
+        "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
+        "kv_role": "kv_both", "kv_load_failure_policy": policy,
+        "kv_connector_extra_config": {
+            "inner_connector": "ExampleConnector",
+            "inner_extra_config": {"shared_storage_path": str(storage)},
+            "fault_rate": 0.5, "fault_seed": 3, "fault_mode": "mixed", **faults},
+    }
+
+
+#: Prompts of the connector tests (sequential rounds): distinct, 70-150 tokens.
+CONNECTOR_PROMPTS = greedy_prompts(10, seed=5, lengths=(100, 70, 130, 150))

@@ -1,0 +1,122 @@
+"""vLLM's stale-KV finding (docs/vllm.md), reproduced in a real ``vllm serve``.
+
+Under ``kv_load_failure_policy=recompute`` vLLM does not evict the blocks of a failed
+sync load, and they were hashed into the prefix cache when allocated. If the owner
+is preempted before it recomputes them, the next request with that prefix (here the
+owner itself, when it is admitted again) gets a local hit on the failed block and
+reads whatever it holds. The connector poisons failed blocks, so the read shows.
+
+The schedule is made exact with vLLM's development routes: the engine is paused
+(``/pause?mode=keep``), ``X`` (256 tokens, 8 blocks) and then ``A`` (100 tokens: 96
+loaded through ExampleConnector, 4 computed, 4 blocks) are queued, and the engine
+resumes. Step 1 admits both and fills the 12-block cache exactly; block #1 of A's
+load (load #1 of the server) fails; recovery truncates A to 32 computed tokens. Step
+2: X's first decode token needs a 9th block, none is free, so vLLM preempts the
+newest running request, A, whose blocks go back to the free queue still hashed. X
+finishes; A is admitted again with a 96-token local hit, including the failed block.
+
+The oracles are A's own fault-free output (A alone, before) and the same sequence
+run again with a load that does not fail. X's output is compared with X alone: the
+poison reaches only the request that reads the block (it is finite noise; NaN
+leaked into X through masked attention slots, see kvmetrics/integrations/vllm/faults.py).
+
+Measured on the 2-core CI kind of machine: the server starts in 45-60 s; the module
+takes about 70 s.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import pytest
+
+from tests.helpers.vllm_server import (
+    ServerSpec,
+    VllmServer,
+    greedy_prompts,
+    output_tokens,
+    total,
+    wait_until,
+)
+
+A = greedy_prompts(1, seed=7, lengths=(100,))[0]
+MAX_TOKENS = 8
+RECOVERED = re.compile(r"Recovered from KV load failure: 1 request\(s\) rescheduled "
+                       r"\(64 tokens affected\)")
+
+
+def x_prompt(k: int) -> list[int]:
+    return greedy_prompts(1, seed=100 + k, lengths=(256,))[0]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("serve-stale")
+    kv_transfer = {
+        "kv_connector": "FaultInjectingConnector",
+        "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "inner_connector": "ExampleConnector",
+            "inner_extra_config": {"shared_storage_path": str(work / "kv")},
+            "fault_loads": [1], "fault_block": 1},
+    }
+    # 13 blocks = the null block + 12: exactly X's 8 and A's 4.
+    spec = ServerSpec(kv_transfer=kv_transfer, num_gpu_blocks=13, max_model_len=320,
+                      extra_args=["--max-num-batched-tokens", "512"])
+    with VllmServer(spec, work) as s:
+        yield s
+
+
+def queued_together(server: VllmServer, x: list[int]) -> dict[str, list[int]]:
+    """X then A queued while the engine is paused, then released in one step."""
+    status, body = server.post("/pause?mode=keep&clear_cache=false")
+    assert status == 200, body
+    answers: dict[str, tuple[int, dict]] = {}
+
+    def send(name: str, prompt: list[int]) -> None:
+        answers[name] = server.complete(prompt, MAX_TOKENS)
+
+    threads = [threading.Thread(target=send, args=("X", x)),
+               threading.Thread(target=send, args=("A", A))]
+    for t in threads:
+        t.start()
+        time.sleep(0.5)  # X reaches the queue first
+    status, body = server.post("/resume")
+    assert status == 200, body
+    for t in threads:
+        t.join()
+    assert {k: v[0] for k, v in answers.items()} == {"X": 200, "A": 200}
+    return {k: output_tokens(v[1]) for k, v in answers.items()}
+
+
+def test_a_preempted_owner_reads_its_failed_block_and_its_output_changes(
+        server: VllmServer) -> None:
+    status, body = server.complete(A, MAX_TOKENS)  # computed (and saved): no load yet
+    assert status == 200
+    fault_free_a = output_tokens(body)
+
+    server.reset_prefix_cache()
+    faulty = queued_together(server, x_prompt(1))
+    log = server.log()
+    assert len(re.findall(r"failing load #1 of request \S+ \(sync\): blocks \[\d+\]", log)) == 1
+    assert len(RECOVERED.findall(log)) == 1  # vLLM rolled A back to block #1
+    page = server.kvmetrics_metrics()
+    assert total(page, "kvmetrics_preemptions_total") == 1
+    # A's second admission: 96 tokens from the local prefix cache, failed block included.
+    assert total(page, "kvmetrics_prefix_cache_hit_tokens_total", source="local",
+                 admission="repeat") == 96
+    assert total(page, "kvmetrics_kv_load_blocks_total", outcome="failed") == 1
+
+    server.reset_prefix_cache()
+    clean = queued_together(server, x_prompt(2))  # load #2 does not fail
+
+    assert faulty["A"] != fault_free_a, "A read the failed block and kept its output"
+    assert clean["A"] == fault_free_a  # the same schedule without the failure is fine
+    server.reset_prefix_cache()
+    status, body = server.complete(x_prompt(1), MAX_TOKENS)
+    assert status == 200 and output_tokens(body) == faulty["X"]  # X was never touched
+    wait_until(lambda: total(server.kvmetrics_metrics(), "kvmetrics_preemptions_total") == 2,
+               30, "the clean round's preemption")

@@ -1,0 +1,25 @@
+"""A bad FaultInjectingConnector setting stops ``vllm serve`` at start-up, with one line
+naming the key (vLLM's own traceback around it is vLLM's; the message is ours).
+
+Measured on the 2-core CI kind of machine: the server gives up after about 30 s
+(the worker builds its connector before loading the model).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.helpers.vllm_server import ServerSpec, VllmServer, connector_config
+
+
+def test_a_bad_fault_rate_stops_the_server_naming_the_key(tmp_path: Path) -> None:
+    config = connector_config(tmp_path / "kv", "recompute", fault_rate=1.5)
+    server = VllmServer(ServerSpec(kv_transfer=config), tmp_path)
+    code = server.run_to_exit()
+    assert code != 0
+    expected = ("FaultInjectingConnector: kv_connector_extra_config.fault_rate: "
+                "must be a number from 0 to 1, got 1.5")
+    lines = [line for line in server.log().splitlines() if expected in line]
+    assert lines, server.log_tail()
+    # Never a hang: nothing of the server is left running.
+    assert server.process is not None and server.process.poll() is not None
