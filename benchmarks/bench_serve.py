@@ -44,38 +44,47 @@ def _load(count: int, seed: int) -> list[list[int]]:
     return [prefix + tail for tail in greedy_prompts(count, seed=seed + 1, lengths=(40, 80))]
 
 
-def _cpu_seconds(server: VllmServer) -> float:
-    """CPU time (user + system) used so far by the server's processes (its group)."""
+def _cpu_seconds(server: VllmServer) -> tuple[float, float]:
+    """CPU time (user + system) used so far by the server's processes (its group), and
+    by its EngineCore process alone (where the scheduler, and so kvmetrics, runs)."""
     assert server.process is not None
-    group, total_ticks = server.process.pid, 0
+    group, ticks, core = server.process.pid, 0, 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                head, rest = f.read().rsplit(")", 1)
         except OSError:
             continue
-        if int(fields[2]) == group:  # field 5 of stat, the process group
-            total_ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return total_ticks / os.sysconf("SC_CLK_TCK")
+        fields = rest.split()
+        if int(fields[2]) != group:  # field 5 of stat: the process group
+            continue
+        used = int(fields[11]) + int(fields[12])  # utime, stime
+        ticks += used
+        if "EngineCor" in head.split("(", 1)[1]:  # comm is cut at 15 characters
+            core += used
+    hz = os.sysconf("SC_CLK_TCK")
+    return ticks / hz, core / hz
 
 
 def _drive(server: VllmServer, prompts: list[list[int]], concurrency: int,
-           max_tokens: int) -> tuple[float, float]:
-    """Wall seconds and server CPU seconds to complete every prompt with ``concurrency``
-    clients (CPU time is steadier than wall time on a shared machine)."""
+           max_tokens: int) -> tuple[float, float, float]:
+    """Wall seconds, server CPU seconds and EngineCore CPU seconds to complete every
+    prompt with ``concurrency`` clients."""
 
     def one(prompt: list[int]) -> None:
         status, body = server.complete(prompt, max_tokens, timeout=600)
         if status != 200:
             raise RuntimeError(f"server answered {status}: {body}")
 
-    cpu = _cpu_seconds(server)
+    cpu, core = _cpu_seconds(server)
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(one, prompts))
-    return time.perf_counter() - start, _cpu_seconds(server) - cpu
+    wall = time.perf_counter() - start
+    cpu_after, core_after = _cpu_seconds(server)
+    return wall, cpu_after - cpu, core_after - core
 
 
 class _Scraper:
@@ -103,8 +112,8 @@ class _Scraper:
 
 
 def measure(quick: bool = False, verbose: bool = False) -> dict[str, float]:
-    rounds = 4 if quick else 8
-    count, concurrency, max_tokens = (32, 8, 32) if quick else (64, 16, 64)
+    rounds = 4 if quick else 10
+    count, concurrency, max_tokens = (32, 8, 32) if quick else (128, 16, 64)
     prompts = _load(count, seed=11)
     with tempfile.TemporaryDirectory(prefix="kvmetrics-bench-serve-") as tmp:
         bare = VllmServer(ServerSpec(scheduler_cls=None, kvmetrics_endpoint=False),
@@ -119,24 +128,26 @@ def measure(quick: bool = False, verbose: bool = False) -> dict[str, float]:
             scrape_url = f"http://127.0.0.1:{instrumented.kvmetrics_port}/metrics"
             for server in (bare, instrumented):  # warm-up: first requests are slower
                 _drive(server, prompts[:concurrency], concurrency, max_tokens)
-            ratios, cpu_ratios, t_bare, t_inst = [], [], [], []
+            ratios, cpu_ratios, core_ratios, t_bare, t_inst = [], [], [], [], []
             with _Scraper(scrape_url) as scraper:
                 for i in range(rounds):
                     order = (bare, instrumented) if i % 2 == 0 else (instrumented, bare)
-                    times, cpu = {}, {}
+                    times, cpu, core = {}, {}, {}
                     for server in order:
                         time.sleep(SETTLE_S)
-                        times[server.name], cpu[server.name] = _drive(
+                        times[server.name], cpu[server.name], core[server.name] = _drive(
                             server, prompts, concurrency, max_tokens)
                     t_bare.append(times["bare"])
                     t_inst.append(times["instrumented"])
                     ratios.append(times["instrumented"] / times["bare"])
                     cpu_ratios.append(cpu["instrumented"] / cpu["bare"])
+                    core_ratios.append(core["instrumented"] / core["bare"])
                     if verbose:
                         print(f"round {i}: bare {times['bare']:.2f} s ({cpu['bare']:.2f} s CPU), "
                               f"instrumented {times['instrumented']:.2f} s "
                               f"({cpu['instrumented']:.2f} s CPU), wall ratio {ratios[-1]:.3f}, "
-                              f"CPU ratio {cpu_ratios[-1]:.3f}", file=sys.stderr)
+                              f"CPU ratio {cpu_ratios[-1]:.3f}, EngineCore CPU ratio "
+                              f"{core_ratios[-1]:.3f}", file=sys.stderr)
             if scraper.scrapes == 0:
                 raise RuntimeError("the kvmetrics endpoint was never scraped")
         finally:
@@ -145,6 +156,8 @@ def measure(quick: bool = False, verbose: bool = False) -> dict[str, float]:
     return {"ratio": statistics.median(ratios), "low": min(ratios), "high": max(ratios),
             "cpu_ratio": statistics.median(cpu_ratios), "cpu_low": min(cpu_ratios),
             "cpu_high": max(cpu_ratios),
+            "core_ratio": statistics.median(core_ratios), "core_low": min(core_ratios),
+            "core_high": max(core_ratios),
             "bare_s": statistics.median(t_bare), "instrumented_s": statistics.median(t_inst),
             "requests": float(count), "rounds": float(rounds),
             "tokens_per_s": count * max_tokens / statistics.median(t_bare)}
@@ -160,6 +173,9 @@ def run(quick: bool = False) -> list[Row]:
         Row("vllm serve CPU time, instrumented / bare",
             f"all server processes, median (spread {m['cpu_low']:.3f}..{m['cpu_high']:.3f})",
             m["cpu_ratio"], "x", f"<= {TARGET}x", m["cpu_ratio"] <= TARGET),
+        Row("vllm serve EngineCore CPU time, instrumented / bare",
+            f"the scheduler's process, median (spread {m['core_low']:.3f}.."
+            f"{m['core_high']:.3f})", m["core_ratio"], "x"),
         Row("vllm serve wall time per round", "bare / instrumented (median)",
             m["bare_s"], f"s / {m['instrumented_s']:.3g} s"),
         Row("vllm serve throughput, bare", "generated tokens per second", m["tokens_per_s"],
@@ -174,7 +190,8 @@ def main() -> int:
     m = measure(args.quick, verbose=True)
     print(f"wall instrumented / bare: {m['ratio']:.3f}x (rounds {m['low']:.3f}.."
           f"{m['high']:.3f}); CPU: {m['cpu_ratio']:.3f}x "
-          f"({m['cpu_low']:.3f}..{m['cpu_high']:.3f}); "
+          f"({m['cpu_low']:.3f}..{m['cpu_high']:.3f}); EngineCore CPU: {m['core_ratio']:.3f}x "
+          f"({m['core_low']:.3f}..{m['core_high']:.3f}); "
           f"bare {m['bare_s']:.2f} s, instrumented {m['instrumented_s']:.2f} s per round")
     return 0
 
