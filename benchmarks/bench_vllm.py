@@ -48,7 +48,7 @@ class SchedulerClock:
 def _config(n: int, blocks: int | None = None) -> SchedulerConfig:
     return SchedulerConfig(block_size=16, num_gpu_blocks=blocks or n * 80 + 64, max_num_seqs=n,
                            max_num_batched_tokens=max(PROMPT * n, 2048), max_model_len=2048,
-                           kv_load_failure_policy="recompute")
+                           kv_load_failure_policy="recompute", reserve_full_prompt=False)
 
 
 def _requests(n: int, seed: int = 0) -> list[Request]:
@@ -67,7 +67,7 @@ def _vllm_engine(n: int, instrumented: bool, blocks: int | None = None) -> Any:
     cls = builder.INSTRUMENTED if instrumented else "vllm.v1.core.sched.scheduler.Scheduler"
     pipeline = MetricsPipeline([PrometheusSink()], engine_kind="vllm") if instrumented else None
     engine = VllmEngine(_config(n, blocks), SimulatedExecutor(None, store), store=store,
-                        scheduler_cls=cls, pipeline=pipeline, reserve_full_prompt=False)
+                        scheduler_cls=cls, pipeline=pipeline)
     for request in _requests(n):
         engine.add_request(request)
     engine.step()  # every prompt prefilled: from here on, n running decodes

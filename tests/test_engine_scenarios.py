@@ -191,7 +191,7 @@ def test_async_load_refused_for_a_reservation_does_not_block_the_loads_behind_it
     # stall here forever).
     head = token_range(0, 4)
     config = SchedulerConfig(block_size=4, num_gpu_blocks=4, max_num_batched_tokens=4,
-                             enable_prefix_caching=False)
+                             enable_prefix_caching=False, reserve_full_prompt=False)
     rig = build_rig(config, load_mode="async", faults=fail_block(0, "a", step=1),
                     async_delay_steps=0)
     preload(rig.store, block_hashes(head, 4)[:1])

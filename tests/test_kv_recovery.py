@@ -15,7 +15,7 @@ import random
 import pytest
 
 import kvmetrics.engine.request as request_module
-import kvmetrics.engine.scheduler as scheduler_module
+import kvmetrics.engine.update as update_module
 from kvmetrics.engine.block_pool import BlockPool
 from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
 from kvmetrics.kv.device import available_devices
@@ -66,7 +66,7 @@ def _failed_block(engine: Engine) -> int:
 def _no_truncation(monkeypatch: pytest.MonkeyPatch) -> None:
     """Break the rollback: affected requests fall back to their pre-step count instead of
     being truncated to their first failed block (num_computed_tokens not truncated)."""
-    original = scheduler_module.handle_invalid_blocks
+    original = update_module.handle_invalid_blocks
 
     def broken(sched, invalid, num_scheduled, events):
         before = {r.request_id: r.num_computed_tokens - num_scheduled.get(r.request_id, 0)
@@ -77,7 +77,7 @@ def _no_truncation(monkeypatch: pytest.MonkeyPatch) -> None:
                 r.num_computed_tokens = before[r.request_id]
         return affected
 
-    monkeypatch.setattr(scheduler_module, "handle_invalid_blocks", broken)
+    monkeypatch.setattr(update_module, "handle_invalid_blocks", broken)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -73,7 +73,7 @@ def test_tight_memory_sync_loads_agree(policy: str, seed: int) -> None:
     faults = FaultPlan(rate=0.15, seed=seed)
     ref = run_reference(cfg, workload, faults)
     # The reference does not model vLLM's admission gate on the whole prompt.
-    vllm = run_vllm(cfg, workload, faults, reserve_full_prompt=False)
+    vllm = run_vllm(cfg, workload, faults)
     assert_same(ref, vllm)
     assert vllm.pipeline.totals.get(cat.PREEMPTIONS) > 0
     assert vllm.pipeline.totals.get(cat.EVICTED_BLOCKS, cause="capacity") > 0
@@ -83,7 +83,7 @@ def test_tight_memory_sync_loads_agree(policy: str, seed: int) -> None:
 def test_tight_memory_async_loads_agree_in_vllm_admission_mode(policy: str, seed: int) -> None:
     cfg, workload = tight(policy, seed, mode="async", async_admission="vllm")
     faults = FaultPlan(rate=0.15, seed=seed)
-    vllm = run_vllm(cfg, workload, faults, reserve_full_prompt=False)
+    vllm = run_vllm(cfg, workload, faults)
     assert_same(run_reference(cfg, workload, faults), vllm)
     assert vllm.pipeline.totals.get(cat.KV_LOAD_BLOCKS, mode="async", outcome="failed") > 0
 
@@ -104,8 +104,7 @@ def test_vllm_stalls_where_the_reference_finishes() -> None:
     loads queued behind it never run. Nothing is running, so nothing frees blocks."""
     faults = FaultPlan(rate=0.5, seed=0)
     with pytest.raises(RuntimeError, match="unfinished after 400 steps"):
-        run_vllm(SchedulerConfig(**STALL), _stall_workload(), faults, max_steps=400,
-                 reserve_full_prompt=False)
+        run_vllm(SchedulerConfig(**STALL), _stall_workload(), faults, max_steps=400)
     with pytest.raises(RuntimeError, match="unfinished after 400 steps"):
         run_reference(SchedulerConfig(**STALL, async_admission="vllm"), _stall_workload(),
                       faults, max_steps=400)

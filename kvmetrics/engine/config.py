@@ -7,6 +7,7 @@ from dataclasses import dataclass
 POLICIES = ("recompute", "fail")
 ACCOUNTINGS = ("unified", "historical")
 ASYNC_ADMISSIONS = ("live", "vllm")
+ASYNC_ROLLBACKS = ("drop", "vllm")
 RECOVERIES = ("vllm", "evict")
 
 
@@ -49,16 +50,34 @@ class SchedulerConfig:
     #: "unified" counts events; "historical" keeps the old request fields and
     #: formulas so the old negative increments can be reproduced on purpose.
     accounting: str = "unified"
-    #: How an async load's admission reserves blocks for prefills in flight.
-    #: ``live`` (default): for the *other* prefills only, and a request whose async
-    #: load failed in every block stops reserving until it is admitted again.
-    #: ``vllm``: exactly vLLM 0.33, where such a request keeps reserving for itself
-    #: at the head of the queue and can stall the engine for good (docs/vllm.md).
+    #: How an async load whose every block failed is admitted again.
+    #: ``live`` (default): it leaves the in-flight prefills (it holds nothing to
+    #: finish any more) and waits behind the requests that hold blocks.
+    #: ``vllm``: exactly vLLM 0.33, where it keeps reserving its own blocks at the head
+    #: of the queue of block holders and can stall the engine for good
+    #: (docs/vllm-defects.md, ``async-load-stall``).
     async_admission: str = "live"
-    #: ``vllm``: vLLM 0.33's recovery path exactly. ``evict``: also evict, under both
-    #: policies, every affected request's blocks from its rollback point on (the fix
-    #: for the stale reads vLLM's path allows; see kvmetrics.engine.recovery).
+    #: ``vllm``: vLLM 0.33's recovery path exactly. ``evict``: the fix for the stale
+    #: reads it allows: every request that read a failed block is rolled back to it,
+    #: and its blocks from there on leave the prefix cache under both policies
+    #: (see kvmetrics.engine.recovery and docs/vllm-defects.md).
     recovery: str = "vllm"
+    #: vLLM's ``--async-scheduling`` (its default on GPUs): the engine schedules step
+    #: n+1 before it processes step n's output (a batch queue of two), decode steps
+    #: count their sampled token as a placeholder, and with a KV connector freed
+    #: blocks return to the pool only once no step in flight can still write them.
+    async_scheduling: bool = False
+    #: What a rollback does to a step already in flight (async scheduling only).
+    #: ``drop`` (default): its output is discarded and its placeholders cleared, as a
+    #: preemption does. ``vllm``: vLLM 0.33, which keeps both (upstream #45138): the
+    #: request runs one token ahead and keeps a token sampled over the failed block.
+    async_rollback: str = "drop"
+    #: vLLM's ``scheduler_reserve_full_isl`` (on by default): a waiting request is
+    #: admitted only if blocks for all its known tokens fit, not just its first chunk.
+    reserve_full_prompt: bool = True
+    #: vLLM's ``long_prefill_token_threshold`` (0: off, its default): no request gets
+    #: more than this many tokens in a step while another request is running or waiting.
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -74,6 +93,13 @@ class SchedulerConfig:
         if self.async_admission not in ASYNC_ADMISSIONS:
             raise ConfigError(f"async_admission must be one of {ASYNC_ADMISSIONS}, "
                               f"got {self.async_admission!r}")
+        if self.async_rollback not in ASYNC_ROLLBACKS:
+            raise ConfigError(f"async_rollback must be one of {ASYNC_ROLLBACKS}, "
+                              f"got {self.async_rollback!r}")
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0, "
+                              f"got {threshold!r}")
         if self.recovery not in RECOVERIES:
             raise ConfigError(f"recovery must be one of {RECOVERIES}, got {self.recovery!r}")
         if self.accounting not in ACCOUNTINGS:

@@ -7,6 +7,8 @@ The pure engine uses it for fast fault sweeps and tests; the torch data plane in
 from __future__ import annotations
 
 import hashlib
+from collections import deque
+from collections.abc import Callable
 
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.faults import FaultPlan
@@ -30,6 +32,30 @@ def sample_token(seed: int, position: int, eos_probability: float = 0.0) -> int:
     return x % VOCAB_SIZE
 
 
+def worker_tokens(prompt: Callable[[str, int, int], list[int]],
+                  prompt_length: Callable[[str], int],
+                  eos_probability: float = 0.0) -> Callable[[str, int, int], list[int]]:
+    """The tokens a worker has at each position: the prompt, then what it sampled.
+
+    A data plane computes KV from these, not from the scheduler's request: under
+    async scheduling a step computes the token the previous step sampled before
+    the scheduler has seen it, and if the scheduler appends an output at the wrong
+    position (vLLM's leftover placeholder) the model still saw the right one.
+    Sampling is a pure function of the position, so no record is needed.
+    """
+
+    def tokens(request_id: str, start: int, end: int) -> list[int]:
+        n = prompt_length(request_id)
+        head = prompt(request_id, start, min(end, n)) if start < n else []
+        if end <= n:
+            return head
+        seed = request_seed(request_id)
+        return head + [sample_token(seed, pos, eos_probability)
+                       for pos in range(max(start, n), end)]
+
+    return tokens
+
+
 def sample_step(out: SchedulerOutput, result: ModelRunnerOutput, seeds: dict[str, int],
                 eos_probability: float) -> None:
     """Sample the next token of every request whose scheduled tokens reach its end.
@@ -46,6 +72,28 @@ def sample_step(out: SchedulerOutput, result: ModelRunnerOutput, seeds: dict[str
             seed = seeds[sched.request_id] = request_seed(sched.request_id)
         result.sampled_token_ids[sched.request_id] = [
             sample_token(seed, end, eos_probability)]
+
+
+class InvalidWindow:
+    """Blocks reported invalid by the steps the scheduler had not processed yet.
+
+    Under an async batch queue a step is scheduled before the previous one's
+    output, so a block that step reported invalid may still be read now; the
+    recovery path must discard what read it, exactly as for this step's own
+    failures. ``window(out, invalid)`` is this step's invalid blocks plus those
+    of the ``out.in_flight_steps`` steps before it.
+    """
+
+    def __init__(self) -> None:
+        self._recent: deque[set[int]] = deque(maxlen=8)
+
+    def window(self, out: SchedulerOutput, invalid: set[int]) -> set[int]:
+        recent = list(self._recent)[len(self._recent) - out.in_flight_steps:] \
+            if out.in_flight_steps else []
+        self._recent.append(set(invalid))
+        if not any(recent):
+            return invalid
+        return set(invalid).union(*recent)
 
 
 def discarded_requests(out: SchedulerOutput, invalid: set[int]) -> set[str]:
@@ -70,6 +118,7 @@ class SimulatedExecutor:
         self.transfers = (TransferTracker(faults or FaultPlan(), store, async_delay_steps)
                           if store is not None else None)
         self._seeds: dict[str, int] = {}
+        self._invalid = InvalidWindow()
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
@@ -79,8 +128,9 @@ class SimulatedExecutor:
             for outcome in self.transfers.finish_due(out.step):
                 result.invalid_block_ids.update(outcome.failed)
                 result.finished_recving.add(outcome.spec.request_id)
+        invalid = self._invalid.window(out, result.invalid_block_ids)
         if self.store is not None:
-            discarded = discarded_requests(out, result.invalid_block_ids)
+            discarded = discarded_requests(out, invalid)
             for save in out.saves:
                 if save.request_id not in discarded:
                     self.store.insert(save.block_hash)

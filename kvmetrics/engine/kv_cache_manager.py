@@ -48,12 +48,15 @@ class KVCacheManager:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         reserved_blocks: int = 0,
+        full_sequence_tokens: int = 0,
     ) -> list[KVBlock] | None:
         """Give the request room for its computed and new tokens; None if it does not fit.
 
         Blocks are offered to the prefix cache as soon as they are allocated for
         full blocks of known tokens (as vLLM does), unless caching is delayed until
-        an async load lands.
+        an async load lands. ``full_sequence_tokens`` is vLLM's admission gate
+        (``scheduler_reserve_full_isl``): the blocks of that many tokens must fit in
+        the free blocks first (``reserved_blocks`` is not taken off for it, as in vLLM).
         """
         bs = self.block_size
         hits = new_computed_blocks or []
@@ -64,7 +67,10 @@ class KVCacheManager:
         need = max(need, 0)
         # Hits sitting in the free queue stop being free once touched.
         evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if need + evictable_hits > self.pool.num_free_blocks - reserved_blocks:
+        free = self.pool.num_free_blocks
+        full_need = max(cdiv(full_sequence_tokens, bs) - len(blocks) - len(hits), 0)
+        if (full_sequence_tokens and full_need + evictable_hits > free) \
+                or need + evictable_hits > free - reserved_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]
                 del self.req_block_ids[request.request_id]
@@ -103,11 +109,16 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a request's blocks, tail first, so its tail is evicted first."""
-        blocks = self.req_blocks.pop(request.request_id, None)
-        self.req_block_ids.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
+        blocks = self.pop_blocks(request)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+
+    def pop_blocks(self, request: Request) -> list[KVBlock]:
+        """Forget a request's table and hand its blocks over without freeing them
+        (a deferred free returns them to the pool later, tail first)."""
+        self.req_block_ids.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        return self.req_blocks.pop(request.request_id, None) or []
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as ids (a live list: copy it to keep it)."""

@@ -57,6 +57,11 @@ class SchedulerOutput:
     saves: list[BlockSave] = field(default_factory=list)
     preempted_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)
+    #: Earlier steps whose output the scheduler had not processed when it made this
+    #: one (0 in lockstep, 1 under an async batch queue): a block one of them
+    #: reported invalid was not known to be bad when this step was scheduled, so a
+    #: read of it here is the recovery path's to discard, not a stale read.
+    in_flight_steps: int = 0
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

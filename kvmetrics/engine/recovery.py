@@ -3,18 +3,33 @@
 When a model runner reports blocks whose external load failed, each affected
 request is truncated to the start of its first failed block; the tokens it had
 computed before this step (``num_computed_tokens - num_scheduled_tokens``, the
-unified form) minus the truncated count are rolled back. A failed block shared by
-several requests is owned by the first request that reaches it; later sharers
-only fall back to their pre-step count. Under policy ``fail`` the failed sync
-blocks and every block after them are evicted from the prefix cache and the
-requests finish with an error; under ``recompute`` nothing is evicted (the blocks
-will be recomputed in place) and the requests run again.
+unified form) minus the truncated count are rolled back. Under async scheduling
+``num_computed_tokens`` already counts the step in flight, so the rollback takes
+that step's tokens back too. A failed block shared by several requests is owned
+by the first request that reaches it; later sharers only fall back to their
+pre-step count. Under policy ``fail`` the failed sync blocks and every block
+after them are evicted from the prefix cache and the requests finish with an
+error; under ``recompute`` nothing is evicted (the blocks will be recomputed in
+place) and the requests run again.
 
-That is vLLM 0.33's behaviour (``recovery="vllm"``, the default). It can leave
-bad KV hashed: a failed block whose owner is preempted or aborted before
-recomputing it, or a same-step sharer's own new blocks (docs/vllm.md).
-``recovery="evict"`` is the fix the verifier argues for: every affected sync
-request loses its blocks from its rollback point on, under both policies.
+That is vLLM 0.33's behaviour (``recovery="vllm"``, the default), defects
+included (docs/vllm-defects.md): a failed block stays hashed under ``recompute``
+and is read by the next request with that prefix when its owner is preempted or
+aborted before recomputing it; a sharer keeps counting the failed block as
+computed and reads it while its owner recomputes it in chunks; under ``fail`` a
+sharer's own new blocks, computed over the failed one, stay hashed.
+
+``recovery="evict"`` is the fix for all three: every affected request is rolled
+back to its first failed block (sharers too, so none of them reads a block
+before it was recomputed), and under both policies the blocks of every affected
+sync request from there on leave the prefix cache; each block is hashed again
+by exactly one of the requests that hold it, when it recomputes it, so a later
+request can hit it only once it holds valid KV (vLLM asserts that a block is
+never hashed twice, so the claim must be unique).
+
+``async_rollback="drop"`` (the default) also discards the output of a step the
+rolled-back request has in flight and clears its placeholders, exactly as a
+preemption does; ``"vllm"`` keeps both (upstream #45138).
 """
 
 from __future__ import annotations
@@ -61,20 +76,24 @@ def _truncate(
     events: StepEvents,
 ) -> tuple[set[str], set[int]]:
     bs = sched.block_size
+    evict = sched.config.recovery == "evict"
+    drop = sched.config.async_rollback == "drop"
     affected: set[str] = set()
     to_evict: set[int] = set()
     owned: set[int] = set()
+    claimed: set[int] = set()
     for request in requests:
         rid = request.request_id
         block_ids = sched.kv.block_ids(rid)
         before = request.num_computed_tokens - num_scheduled.get(rid, 0)
         n_blocks = -(-before // bs)
-        is_affected = False
+        first = -1
         truncated = False
         for idx, block_id in enumerate(block_ids[:n_blocks]):
             if block_id not in invalid:
                 continue
-            is_affected = True
+            if first < 0:
+                first = idx
             if block_id in owned:
                 continue  # another request recomputes it; this one may keep it
             owned.add(block_id)
@@ -84,15 +103,24 @@ def _truncate(
             request.num_computed_tokens = idx * bs
             if mode == "sync":
                 to_evict.update(block_ids[idx:])
-        if not is_affected:
+        if first < 0:
             continue
         request.kv_failure_until = before + num_scheduled.get(rid, 0)
-        if not truncated:
-            request.num_computed_tokens = before
+        if evict:
+            request.num_computed_tokens = first * bs
+            if mode == "sync":
+                to_evict.update(block_ids[first:])
+                _rehash_from(sched, rid, first, claimed)
+        elif not truncated:
+            # All its failed blocks are owned by others. With the output in flight
+            # dropped, only tokens whose output was processed still count.
+            request.num_computed_tokens = (
+                request.num_computed_tokens - request.num_in_flight_tokens if drop
+                else before)
+        if drop:
+            _drop_in_flight_output(request)
         affected.add(rid)
         after = request.num_computed_tokens
-        if mode == "sync" and sched.config.recovery == "evict":
-            _evict_from(sched, rid, after, to_evict)
         events.rolled_back(mode, sched.policy, rid, _historical_before(sched, request, mode,
                                                                        before), after)
         if sched.historical:
@@ -100,19 +128,34 @@ def _truncate(
     return affected, to_evict
 
 
-def _evict_from(sched: Scheduler, request_id: str, computed: int, to_evict: set[int]) -> None:
-    """The ``evict`` recovery: drop every block this request may have filled with bad KV.
+def _rehash_from(sched: Scheduler, request_id: str, first: int, claimed: set[int]) -> None:
+    """Let the request hash its blocks again from ``first`` on, once it recomputes them.
 
-    That is the block holding its first lost token and all after it, for the owner
-    of a failed block and for every request that shared it in the failed step (its
-    own new blocks were computed over the bad one). The cached-block count is reset
-    so the recomputed blocks are offered to the prefix cache again.
+    A block that an earlier affected request already claimed (a shared prefix
+    block) is hashed again by that one only: the request keeps counting it as
+    cached, and starts again after the claimed run.
     """
-    keep = computed // sched.block_size
-    to_evict.update(sched.kv.block_ids(request_id)[keep:])
     cached = sched.kv.num_cached_blocks
-    if cached.get(request_id, 0) > keep:
-        cached[request_id] = keep
+    done = cached.get(request_id, 0)
+    if done <= first:
+        return
+    block_ids = sched.kv.block_ids(request_id)
+    start = first
+    while start < done and block_ids[start] in claimed:
+        start += 1
+    claimed.update(block_ids[start:done])
+    cached[request_id] = start
+
+
+def _drop_in_flight_output(request: Request) -> None:
+    """Treat the output of the steps in flight like a preemption's: it is discarded.
+
+    It was computed over the failed block, or at positions the rollback takes
+    back; the current step's share is drained (and skipped) in this very update.
+    """
+    request.num_stale_output_tokens = request.num_in_flight_tokens
+    request.drop_stale_output = request.num_in_flight_tokens > 0
+    request.num_output_placeholders = 0
 
 
 def _historical_before(sched: Scheduler, request: Request, mode: str, before: int) -> int:

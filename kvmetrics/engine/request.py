@@ -58,6 +58,20 @@ class Request:
     #: Unified accounting: prompt tokens by source are recorded once.
     prefill_stats_recorded: bool = False
 
+    # Async scheduling (vLLM's AsyncScheduler and batch queue), same names as vLLM's.
+    #: Tokens a decode step in flight will sample: already counted in
+    #: ``num_computed_tokens``, not yet in ``output_token_ids``.
+    num_output_placeholders: int = 0
+    #: Scheduled tokens of steps whose output has not been processed yet.
+    num_in_flight_tokens: int = 0
+    #: Of those, tokens whose output must leave the request's counts alone (it was
+    #: preempted, or rolled back, while they were in flight).
+    num_stale_output_tokens: int = 0
+    #: Discard that stale output instead of appending its tokens.
+    drop_stale_output: bool = False
+    #: Sequence number of the last non-empty step it was scheduled in (deferred frees).
+    last_sched_seq: int = 0
+
     # Historical accounting fields, kept exactly as the old vLLM code kept them.
     num_cached_tokens: int = -1
     num_external_computed_tokens: int = 0

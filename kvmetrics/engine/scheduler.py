@@ -3,17 +3,27 @@
 It schedules running requests first (chunked prefill and decode under a token
 budget, preempting the most recently admitted request when blocks run out),
 then admits waiting requests after a local prefix-cache lookup and a connector
-lookup. Every step fills a :class:`StepEvents` with what happened, counted from
-the events themselves; :meth:`drain_events` hands it to the metrics layer.
-The KV-load recovery path lives in :mod:`kvmetrics.engine.recovery`.
+lookup (:mod:`kvmetrics.engine.admission`). Every step fills a :class:`StepEvents`
+with what happened, counted from the events themselves; :meth:`drain_events`
+hands it to the metrics layer. Output processing lives in
+:mod:`kvmetrics.engine.update`, the KV-load recovery path in
+:mod:`kvmetrics.engine.recovery`.
+
+With ``async_scheduling`` it models vLLM's ``AsyncScheduler`` as its engine core
+drives it (a batch queue of two, see :class:`kvmetrics.engine.loop.EngineLoop`):
+a decode step counts the token it will sample as a placeholder, so the next step
+can be scheduled before this one's output is known, and with a KV connector a
+request's blocks go back to the pool only once no step in flight can still write
+them (vLLM's ``defer_block_free``); a victim whose blocks cannot be freed yet is
+not preempted.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
-from kvmetrics.engine.block_pool import BlockPool
+from kvmetrics.engine.admission import admit_waiting
+from kvmetrics.engine.block_pool import BlockPool, KVBlock
 from kvmetrics.engine.config import SchedulerConfig, check_fits
 from kvmetrics.engine.connector import KVConnector
 from kvmetrics.engine.kv_cache_manager import KVCacheManager
@@ -24,8 +34,8 @@ from kvmetrics.engine.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from kvmetrics.engine.recovery import handle_invalid_blocks
 from kvmetrics.engine.request import Request, RequestStatus
+from kvmetrics.engine.update import process_output
 from kvmetrics.metrics.events import GaugeReadings, PoolSnapshot, StepEvents
 
 
@@ -40,7 +50,7 @@ class Scheduler:
         self.connector = connector
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        #: Requests that hold blocks while waiting (async loads in flight).
+        #: Waiting requests that hold blocks (async loads): always looked at first.
         self.kv_holding: deque[Request] = deque()
         self.running: list[Request] = []
         #: Requests whose prefill is still in progress (async loads included): an
@@ -52,8 +62,17 @@ class Scheduler:
         #: Async loads in flight, by request, for counting their blocks on completion.
         self.async_loads: dict[str, LoadSpec] = {}
         self.step = 0
+        #: Outputs processed so far (a step's events are closed by its update).
+        self.updates = 0
+        # Deferred block frees (vLLM's defer_block_free): with a batch queue and a KV
+        # connector that loads into blocks, a freed request's blocks return only once
+        # every non-empty step scheduled before the free has been processed.
+        self.defer_block_free = config.async_scheduling and connector is not None
+        self.sched_step_seq = 0
+        self.processed_step_seq = 0
+        self.deferred_frees: deque[tuple[int, list[KVBlock]]] = deque()
         self._finished_since_schedule: set[str] = set()
-        self._events = StepEvents(step=0)
+        self._events = StepEvents(step=1)
         self._ready: list[StepEvents] = []
 
     # -- public API ------------------------------------------------------------------
@@ -78,6 +97,13 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting or self.kv_holding)
 
+    def has_requests(self) -> bool:
+        """Anything left for the engine loop: unfinished requests, finishes not yet
+        reported to the runner, or finished requests whose blocks an async load
+        still holds (vLLM's ``has_requests``)."""
+        queued = len(self.running) + len(self.waiting) + len(self.kv_holding)
+        return bool(queued or self._finished_since_schedule or len(self.requests) > queued)
+
     def drain_events(self) -> list[StepEvents]:
         """Events of every step completed since the last call, oldest first."""
         ready, self._ready = self._ready, []
@@ -93,36 +119,50 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step += 1
         events = self._events
-        events.step = self.step
         out = SchedulerOutput(step=self.step, finished_req_ids=self._finished_since_schedule)
         self._finished_since_schedule = set()
         budget = self.config.max_num_batched_tokens
+        threshold = self.config.long_prefill_token_threshold
+        if len(self.running) + len(self.waiting) + len(self.kv_holding) <= 1:
+            threshold = 0  # nobody to starve
         preempted: list[Request] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget,
-                    self.config.max_model_len - request.num_computed_tokens)
+            placeholders = request.num_output_placeholders
+            if placeholders and request.num_computed_tokens + 2 - placeholders \
+                    >= request.num_prompt_tokens + request.max_tokens:
+                i += 1  # the step in flight samples its last token
+                continue
+            n = request.num_tokens + placeholders - request.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, budget, self.config.max_model_len - request.num_computed_tokens - 1)
             if n <= 0:
                 i += 1
                 continue
+            allocated = False
             while True:
                 if self.kv.allocate_slots(request, n) is not None:
+                    allocated = True
                     break
-                victim = self.running.pop()
+                victim = self.running[-1]
+                if not self.blocks_can_be_freed(victim):
+                    break  # freeing it now would not give blocks back this step
+                self.running.pop()
                 self._preempt(victim, events)
                 preempted.append(victim)
                 if victim is request:
                     break
-            if request.status is not RequestStatus.RUNNING:
+            if not allocated:
                 break
-            self._schedule_tokens(out, request, n, events)
+            self.schedule_tokens(out, request, n, events)
             budget -= n
             i += 1
 
         if not preempted:
-            budget = self._admit_waiting(out, budget, events)
+            admit_waiting(self, out, budget, threshold, events)
 
         out.preempted_req_ids = {r.request_id for r in preempted}
         if self.connector is not None:
@@ -130,101 +170,72 @@ class Scheduler:
             for load in out.loads:
                 if load.mode == "async":
                     self.async_loads[load.request_id] = load
+        if self.defer_block_free and out.scheduled:
+            self.sched_step_seq += 1
+        self._update_after_schedule(out)
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, events: StepEvents) -> int:
-        skipped_holding: list[Request] = []
-        skipped_waiting: list[Request] = []
-        while budget > 0:
-            queue = self.kv_holding if self.kv_holding else self.waiting
-            if not queue or len(self.running) >= self.config.max_num_seqs:
-                break
-            request = queue[0]
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-                if request.request_id not in self.finished_recving:
-                    queue.popleft()
-                    skipped_holding.append(request)
-                    continue
-                self._land_async_load(request)
+    def schedule_tokens(self, out: SchedulerOutput, request: Request, n: int,
+                        events: StepEvents) -> None:
+        """Add ``n`` tokens of ``request`` to the step (its count advances after the scan)."""
+        c = request.num_computed_tokens
+        redo_end = min(c + n, request.computed_high_water)
+        if redo_end > c:
+            split = min(max(request.kv_failure_until, c), redo_end)
+            events.recomputed("kv_load_failure", split - c, request.request_id)
+            events.recomputed("preemption", redo_end - split, request.request_id)
+        block_ids = self.kv.req_block_ids[request.request_id]
+        known = request.num_tokens + request.num_output_placeholders
+        out.scheduled.append(ScheduledRequest(
+            request.request_id, c, n, block_ids, known,
+            is_prefill=c < request.num_prompt_tokens))
+        if self.connector is not None:
+            # Every block this step completes whose tokens are known (an async
+            # scheduler may run ahead of them; the first may be partly computed).
+            bs = self.block_size
+            for idx in range(c // bs, min((c + n) // bs, len(request.block_hashes))):
+                out.saves.append(BlockSave(request.request_id, idx, block_ids[idx],
+                                           request.block_hashes[idx]))
 
-            local_blocks: list = []
-            local_hit = ext = 0
-            is_async = False
-            looked_up = request.num_computed_tokens == 0
-            if looked_up:
-                local_blocks, local_hit = self.kv.get_computed_blocks(request)
-                if self.connector is not None:
-                    matched, is_async = self.connector.get_num_new_matched_tokens(
-                        request, local_hit)
-                    if matched is None:
-                        queue.popleft()
-                        (skipped_holding if request in self.kv_holding else skipped_waiting
-                         ).append(request)
-                        continue
-                    ext = matched
-                    is_async = is_async and ext > 0
-                if self.historical:
-                    request.num_external_computed_tokens = ext
-                computed = local_hit + ext
-            else:
-                computed = request.num_computed_tokens
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        """Advance every scheduled request (vLLM's ``_update_after_schedule``)."""
+        placeholders = self.config.async_scheduling
+        for sched in out.scheduled:
+            request = self.requests[sched.request_id]
+            request.num_computed_tokens += sched.num_scheduled_tokens
+            request.num_in_flight_tokens += sched.num_scheduled_tokens
+            request.computed_high_water = max(request.computed_high_water,
+                                              request.num_computed_tokens)
+            if self.defer_block_free:
+                request.last_sched_seq = self.sched_step_seq
+            prefilling = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders)
+            if not prefilling:
+                self.inflight_prefills.pop(request.request_id, None)
+                if placeholders:
+                    request.num_output_placeholders += 1
 
-            n = 0 if is_async else min(request.num_tokens - computed, budget)
-            reserved = self._reserved_blocks(request) if is_async else 0
-            if self.kv.allocate_slots(request, n, local_blocks, ext,
-                                      delay_cache_blocks=is_async,
-                                      reserved_blocks=reserved) is None:
-                if reserved and queue is self.kv_holding \
-                        and self.config.async_admission == "live":
-                    # Refused for blocks held back for loads that may sit behind it in
-                    # this queue: stopping here would keep them from ever landing.
-                    queue.popleft()
-                    skipped_holding.append(request)
-                    continue
-                break
-            queue.popleft()
-            if looked_up:
-                self._record_lookup(request, local_hit, ext, events)
-            if self.connector is not None and ext:
-                self.connector.update_state_after_alloc(
-                    request, self.kv.block_ids(request.request_id), ext)
-                request.load_mode = "async" if is_async else "sync"
-            request.num_computed_tokens = computed
-            request.computed_high_water = max(request.computed_high_water, computed)
-            if is_async:
-                request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-                self.inflight_prefills[request.request_id] = request
-                skipped_holding.append(request)
-                continue
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            if self.historical and request.num_cached_tokens < 0:
-                request.num_cached_tokens = computed
-            self._schedule_tokens(out, request, n, events)
-            budget -= n
-        self.kv_holding.extendleft(reversed(skipped_holding))
-        self.waiting.extendleft(reversed(skipped_waiting))
-        return budget
-
-    def _reserved_blocks(self, admitting: Request) -> int:
-        """Blocks other in-flight prefills still need (a request never waits on itself)."""
+    def reserved_blocks(self) -> int:
+        """Blocks the prefills in flight still need (an async load must leave them free)."""
         limit = self.config.max_model_len
-        if self.config.async_admission == "vllm":
-            return sum(self.kv.remaining_blocks(r, limit)
-                       for r in self.inflight_prefills.values())
-        return sum(self.kv.remaining_blocks(r, limit) for r in self.inflight_prefills.values()
-                   if r is not admitting)
+        return sum(self.kv.remaining_blocks(r, limit) for r in self.inflight_prefills.values())
 
-    def _land_async_load(self, request: Request) -> None:
-        """An async load reported finished: cache what is valid, then wait to run."""
+    def land_async_load(self, request: Request) -> bool:
+        """An async load reported finished: cache what is valid, then wait to run.
+
+        Returns True when the load failed in every block, so that the request gave
+        all its blocks back (the caller decides where it waits).
+        """
         rid = request.request_id
         self.finished_recving.discard(rid)
+        emptied = False
         if rid in self.failed_recving:
             self.failed_recving.discard(rid)
             if request.num_computed_tokens:
                 self.kv.cache_blocks(request, request.num_computed_tokens)
             else:
                 self.kv.free(request)
+                emptied = True
                 if self.config.async_admission == "live":
                     self.inflight_prefills.pop(rid, None)
         else:
@@ -233,144 +244,60 @@ class Scheduler:
             request.num_computed_tokens -= 1
         request.status = (RequestStatus.PREEMPTED if request.num_preemptions
                           else RequestStatus.WAITING)
-
-    def _record_lookup(self, request: Request, local_hit: int, ext: int,
-                       events: StepEvents) -> None:
-        rid = request.request_id
-        admission = "first" if request.num_lookups == 0 else "repeat"
-        request.num_lookups += 1
-        events.prefix_lookup("local", admission, request.num_tokens, local_hit, rid)
-        if self.connector is not None:
-            queried = request.num_tokens - local_hit
-            events.prefix_lookup("external", admission, queried, ext, rid)
-        if not self.historical and not request.prefill_stats_recorded \
-                and request.num_preemptions == 0:
-            request.prefill_stats_recorded = True
-            prompt = request.num_prompt_tokens
-            events.prompt_tokens("compute", prompt - local_hit - ext, rid)
-            events.prompt_tokens("local_cache", local_hit, rid)
-            events.prompt_tokens("external", ext, rid)
-
-    def _schedule_tokens(self, out: SchedulerOutput, request: Request, n: int,
-                         events: StepEvents) -> None:
-        c = request.num_computed_tokens
-        redo_end = min(c + n, request.computed_high_water)
-        if redo_end > c:
-            split = min(max(request.kv_failure_until, c), redo_end)
-            events.recomputed("kv_load_failure", split - c, request.request_id)
-            events.recomputed("preemption", redo_end - split, request.request_id)
-        block_ids = self.kv.req_block_ids[request.request_id]
-        out.scheduled.append(ScheduledRequest(
-            request.request_id, c, n, block_ids, request.num_tokens,
-            is_prefill=c < request.num_prompt_tokens))
-        if self.connector is not None:
-            # Every block this step completes (the first may be partly computed already).
-            bs = self.block_size
-            for idx in range(c // bs, (c + n) // bs):
-                out.saves.append(BlockSave(request.request_id, idx, block_ids[idx],
-                                           request.block_hashes[idx]))
-        request.num_computed_tokens = c + n
-        request.computed_high_water = max(request.computed_high_water, c + n)
-        if c + n < request.num_tokens:
-            self.inflight_prefills[request.request_id] = request
-        else:
-            self.inflight_prefills.pop(request.request_id, None)
+        return emptied
 
     def _preempt(self, request: Request, events: StepEvents) -> None:
-        self.kv.free(request)
+        self.free_request_blocks(request)
         self.inflight_prefills.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # Output still in flight is delivered when it comes back, but leaves the
+        # counts (reset just now) alone.
+        request.drop_stale_output = (request.drop_stale_output
+                                     and request.num_stale_output_tokens > 0)
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         request.kv_failure_until = 0
         events.preempted(request.request_id)
         self.waiting.appendleft(request)
 
+    # -- blocks ------------------------------------------------------------------------
+
+    def blocks_can_be_freed(self, request: Request) -> bool:
+        return not self.defer_block_free or request.last_sched_seq <= self.processed_step_seq
+
+    def free_request_blocks(self, request: Request) -> None:
+        """Free a request's blocks now, or once the steps in flight that may write them
+        have been processed."""
+        if self.blocks_can_be_freed(request):
+            self.kv.free(request)
+            return
+        blocks = self.kv.pop_blocks(request)
+        if blocks:
+            self.deferred_frees.append((self.sched_step_seq, blocks))
+
+    def drain_deferred_frees(self) -> None:
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            _, blocks = self.deferred_frees.popleft()
+            self.pool.free_blocks(reversed(blocks))
+
     # -- output processing -------------------------------------------------------------
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        events = self._events
-        if result.events is not None:
-            events.merge(result.events)
-        nst = out.num_scheduled_tokens
+        process_output(self, out, result, self._events)
+        self._end_step(self._events)
 
-        self._count_loads(out, result, events)
-        affected: set[str] = set()
-        if result.invalid_block_ids:
-            t0 = time.perf_counter()
-            affected = handle_invalid_blocks(self, result.invalid_block_ids, nst, events)
-            events.recovery_seconds = time.perf_counter() - t0
-
-        for sched in out.scheduled:
-            rid = sched.request_id
-            request = self.requests.get(rid)
-            if request is None or request.is_finished or rid in affected:
-                continue
-            new_tokens = result.sampled_token_ids.get(rid, [])
-            if not new_tokens:
-                continue
-            if self.historical and not request.prefill_stats_recorded:
-                self._record_historical_prompt_tokens(request, events)
-            for token in new_tokens:
-                request.output_token_ids.append(token)
-                status = self._stop_status(request, token)
-                if status is not None:
-                    request.update_block_hashes(self.block_size)
-                    self._finish(request, status)
-                    break
-            else:
-                request.update_block_hashes(self.block_size)
-
-        if self.policy == "fail":
-            for rid in sorted(affected):
-                request = self.requests.get(rid)
-                if request is not None and not request.is_finished:
-                    self._finish(request, RequestStatus.FINISHED_ERROR)
-
-        for rid in result.finished_recving:
-            request = self.requests.get(rid)
-            if request is None:
-                continue
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-                self.finished_recving.add(rid)
-            elif request.is_finished:
-                self.kv.free(request)
-                self.requests.pop(rid, None)
-
-        self._end_step(events)
-
-    def _count_loads(self, out: SchedulerOutput, result: ModelRunnerOutput,
-                     events: StepEvents) -> None:
-        invalid = result.invalid_block_ids
-        for load in out.loads:
-            if load.mode == "sync":
-                failed = sum(1 for b in load.block_ids if b in invalid)
-                events.loaded_blocks("sync", len(load.block_ids) - failed, failed)
-        for rid in result.finished_recving:
-            load = self.async_loads.pop(rid, None)
-            if load is not None:
-                failed = sum(1 for b in load.block_ids if b in invalid)
-                events.loaded_blocks("async", len(load.block_ids) - failed, failed)
-
-    def _record_historical_prompt_tokens(self, request: Request, events: StepEvents) -> None:
-        """The pre-fix formula, on purpose: it goes negative in known scenarios."""
-        request.prefill_stats_recorded = True
-        prompt = request.num_prompt_tokens
-        cached = request.num_cached_tokens
-        recomputed = 1 if cached + 1 == prompt else 0
-        rid = request.request_id
-        events.prompt_tokens("compute", prompt - cached, rid)
-        events.prompt_tokens("external", request.num_external_computed_tokens, rid)
-        events.prompt_tokens(
-            "local_cache", cached + recomputed - request.num_external_computed_tokens, rid)
-
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+    def stop_status(self, request: Request, token: int) -> RequestStatus | None:
         if request.eos_token_id is not None and token == request.eos_token_id:
             return RequestStatus.FINISHED_STOPPED
         if len(request.output_token_ids) >= request.max_tokens \
                 or request.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         rid = request.request_id
@@ -389,7 +316,7 @@ class Scheduler:
         # runner reports the load finished (as vLLM does), or a reallocated block
         # could be overwritten under another request.
         if not (was is RequestStatus.WAITING_FOR_REMOTE_KV and rid in self.async_loads):
-            self.kv.free(request)
+            self.free_request_blocks(request)
             self.requests.pop(rid, None)
         if self.connector is not None:
             self.connector.request_finished(request)
@@ -397,6 +324,8 @@ class Scheduler:
         self._events.finished(status.value, rid)
 
     def _end_step(self, events: StepEvents) -> None:
+        self.updates += 1
+        events.step = self.updates
         self._drain_evictions(events)
         waiting_remote = sum(1 for r in self.kv_holding
                              if r.status is RequestStatus.WAITING_FOR_REMOTE_KV)
@@ -415,7 +344,7 @@ class Scheduler:
         )
         self.pool.negative_ref_counts = 0
         self._ready.append(events)
-        self._events = StepEvents(step=self.step + 1)
+        self._events = StepEvents(step=self.updates + 1)
 
     def _drain_evictions(self, events: StepEvents) -> None:
         for cause, n in self.pool.evictions.items():

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvmetrics.engine.executor import sample_step
+from kvmetrics.engine.executor import InvalidWindow, sample_step
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.outputs import LoadSpec, ModelRunnerOutput, SchedulerOutput
@@ -157,6 +157,7 @@ class TorchModelRunner:
         self.provenance = Provenance()
         self.stats = RunnerStats()
         self._seeds: dict[str, int] = {}
+        self._invalid = InvalidWindow()
         #: Async loads in flight: outcome id -> (block ids, rows staged on the device).
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -182,9 +183,11 @@ class TorchModelRunner:
         self.provenance.note(out.step, out.preempted_req_ids, out.finished_req_ids)
         result = ModelRunnerOutput()
         bad_requests = self._load(out, result)
-        segments = segments_of(out, result.invalid_block_ids, self.block_size, self.select)
+        # With a step in flight, blocks it reported invalid count as this step's too.
+        invalid = self._invalid.window(out, result.invalid_block_ids)
+        segments = segments_of(out, invalid, self.block_size, self.select)
         if self.provenance.active:
-            self._trace_writes(segments, result.invalid_block_ids, out.step)
+            self._trace_writes(segments, invalid, out.step)
         self.stats.discarded_reads += sum(seg.discarded for seg in segments)
         step_findings, verified_tokens = self._forward_and_verify(segments, out.step)
         if self.save_policy == "discard-aware":

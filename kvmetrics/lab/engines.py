@@ -19,7 +19,7 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any, Protocol
 
 from kvmetrics.engine.connector import StoreConnector
-from kvmetrics.engine.executor import EOS_TOKEN_ID, SimulatedExecutor
+from kvmetrics.engine.executor import EOS_TOKEN_ID, SimulatedExecutor, worker_tokens
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.loop import EngineLoop
@@ -89,8 +89,9 @@ class ReferenceEngine:
                      if self.store is not None else None)
         self.scheduler = Scheduler(sched_cfg, connector)
         requests = self.scheduler.requests
-        self.runner = make_runner(cfg, faults, self.store,
-                                  lambda rid, start, end: requests[rid].token_ids(start, end))
+        self.runner = make_runner(cfg, faults, self.store, worker_tokens(
+            lambda rid, start, end: requests[rid].token_ids(start, end),
+            lambda rid: requests[rid].num_prompt_tokens, EOS_PROBABILITY))
         self.loop = EngineLoop(self.scheduler, self.runner)
 
     def add(self, item: WorkItem, max_tokens: int | None) -> None:

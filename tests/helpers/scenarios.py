@@ -102,9 +102,14 @@ def preemption_before_first_output(accounting: str,
     Historical accounting: ``num_cached_tokens`` was set to 0 at the first schedule,
     ``num_external_computed_tokens`` is overwritten with 16 by the new lookup, so at
     the first output local_cache = 0 + 0 - 16 = -16.
+
+    ``x`` is admitted although its whole prompt does not fit next to ``a``: the
+    admission of the vLLM versions that had this accounting, before
+    ``scheduler_reserve_full_isl`` (so that gate is off here).
     """
     rig = build_rig(SchedulerConfig(block_size=BLOCK, num_gpu_blocks=5,
-                                    max_num_batched_tokens=32, accounting=accounting),
+                                    max_num_batched_tokens=32, accounting=accounting,
+                                    reserve_full_prompt=False),
                     load_mode="sync", pipeline=pipeline)
     rig.add(make_request("a", HIST_A, 40), make_request("x", HIST_X, 1))
     return rig

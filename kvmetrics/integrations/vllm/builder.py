@@ -70,17 +70,19 @@ def build_vllm_config(
     *,
     scheduler_cls: str | type | None = None,
     connector: ConnectorSpec | None = None,
-    reserve_full_prompt: bool | None = None,
-    async_scheduling: bool = False,
     kvmetrics_settings: dict[str, Any] | None = None,
 ) -> Any:
     """A :class:`vllm.config.VllmConfig` equivalent to the reference ``config``.
 
-    ``reserve_full_prompt`` sets vLLM's ``scheduler_reserve_full_isl`` (admit a
-    request only if its whole prompt fits; vLLM's default is on, the reference
-    engine does not model it); None keeps vLLM's default. ``kvmetrics_settings``
-    lands in ``additional_config["kvmetrics"]``, where the instrumented scheduler
-    reads its export settings (see :mod:`kvmetrics.integrations.vllm.exporting`).
+    vLLM's own scheduler defaults are kept except where ``config`` says otherwise:
+    ``scheduler_reserve_full_isl`` is ``config.reserve_full_prompt`` (both on by
+    default), ``long_prefill_token_threshold`` and ``async_scheduling`` are
+    copied. vLLM's CPU platform turns async scheduling off (nothing runs on a GPU
+    here); it is set back afterwards, as on the GPU deployments this models, so
+    that ``max_concurrent_batches`` is 2 and a ``kv_both`` connector defers block
+    frees. ``kvmetrics_settings`` lands in ``additional_config["kvmetrics"]``,
+    where the instrumented scheduler reads its settings (see
+    :mod:`kvmetrics.integrations.vllm.exporting`).
     """
     from vllm.config import (
         CacheConfig,
@@ -103,12 +105,12 @@ def build_vllm_config(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=config.max_model_len,
         is_encoder_decoder=False,
-        async_scheduling=async_scheduling,
+        async_scheduling=config.async_scheduling,
+        scheduler_reserve_full_isl=config.reserve_full_prompt,
+        long_prefill_token_threshold=config.long_prefill_token_threshold,
     )
     if scheduler_cls is not None:
         sched_kwargs["scheduler_cls"] = scheduler_cls
-    if reserve_full_prompt is not None:
-        sched_kwargs["scheduler_reserve_full_isl"] = reserve_full_prompt
     cache_config = CacheConfig(block_size=config.block_size,
                                enable_prefix_caching=config.enable_prefix_caching)
     kv_transfer = None
@@ -130,6 +132,7 @@ def build_vllm_config(
                            if kvmetrics_settings is not None else {}),
     )
     vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks
+    vllm_config.scheduler_config.async_scheduling = config.async_scheduling
     return vllm_config
 
 
@@ -149,7 +152,6 @@ def build_scheduler(
     *,
     scheduler_cls: str | type | None = None,
     connector: ConnectorSpec | None = None,
-    reserve_full_prompt: bool | None = None,
     log_stats: bool = True,
     kvmetrics_settings: dict[str, Any] | None = None,
 ) -> Any:
@@ -157,7 +159,6 @@ def build_scheduler(
     from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config = build_vllm_config(config, scheduler_cls=scheduler_cls, connector=connector,
-                                    reserve_full_prompt=reserve_full_prompt,
                                     kvmetrics_settings=kvmetrics_settings)
     cls = vllm_config.scheduler_config.get_scheduler_cls()
     return cls(
@@ -167,6 +168,11 @@ def build_scheduler(
         block_size=config.block_size,
         log_stats=log_stats,
     )
+
+
+def instrumented_cls(config: SchedulerConfig) -> str:
+    """The instrumented scheduler matching ``config``: async or not."""
+    return INSTRUMENTED_ASYNC if config.async_scheduling else INSTRUMENTED
 
 
 def block_hasher_for(vllm_config: Any) -> Any:

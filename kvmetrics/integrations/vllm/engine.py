@@ -6,12 +6,18 @@
 ``step``, ``busy``, ``run``, ``drain_events``. Request ids are kept verbatim and
 steps are numbered the same way, so a fault plan keyed by (step, request id,
 block index) makes the same decisions on both engines.
+
+With ``config.async_scheduling`` it drives vLLM's ``AsyncScheduler`` the way
+vLLM's engine core does (``EngineCore.step_with_batch_queue``, a queue of two):
+step n+1 is scheduled, and executed by the runner, before step n's output is
+processed. The configuration vLLM gets then has ``max_concurrent_batches`` 2,
+so with the built-in ``kv_both`` connector it defers block frees, exactly as a
+GPU deployment does.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 from typing import Any
 
 from vllm.sampling_params import SamplingParams
@@ -19,7 +25,7 @@ from vllm.v1.request import Request as VllmRequest
 
 from kvmetrics.engine.config import SchedulerConfig, check_fits
 from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.loop import run_until_idle
+from kvmetrics.engine.loop import BatchQueue, run_until_idle
 from kvmetrics.engine.request import Request
 from kvmetrics.integrations.vllm import builder
 from kvmetrics.integrations.vllm.connector import register_store, unregister_store
@@ -30,6 +36,10 @@ from kvmetrics.metrics.pipeline import MetricsPipeline
 
 _store_keys = itertools.count()
 
+#: ``scheduler_cls`` default: the instrumented scheduler matching the configuration.
+INSTRUMENTED = "instrumented"
+
+
 class VllmEngine:
     """vLLM's scheduler (instrumented by default) plus a kvmetrics model runner.
 
@@ -39,6 +49,9 @@ class VllmEngine:
     :meth:`drain_events`. ``keep_records`` keeps each step's outputs for tests.
     ``kvmetrics_settings`` (see :mod:`kvmetrics.integrations.vllm.exporting`) lets
     the scheduler export by itself, as under ``vllm serve``; by default it does not.
+    ``recovery="evict"`` turns on the instrumented scheduler's protective mode
+    (:mod:`kvmetrics.integrations.vllm.protect`, ``KVMETRICS_RECOVERY=evict``).
+    ``scheduler_cls=None`` runs vLLM's own class, uninstrumented.
     """
 
     def __init__(
@@ -49,11 +62,11 @@ class VllmEngine:
         store: ExternalStoreIndex | None = None,
         load_mode: str = "sync",
         seed: int = 0,
-        scheduler_cls: str | type | None = builder.INSTRUMENTED,
+        scheduler_cls: str | type | None = INSTRUMENTED,
         pipeline: MetricsPipeline | None = None,
-        reserve_full_prompt: bool | None = None,
         keep_records: bool = False,
         kvmetrics_settings: dict[str, Any] | None = None,
+        recovery: str = "vllm",
     ) -> None:
         if config.accounting != "unified":
             raise ValueError("vLLM only has the unified accounting")
@@ -66,17 +79,25 @@ class VllmEngine:
             register_store(self._store_key, store)
             connector = builder.ConnectorSpec(
                 extra={"store_key": self._store_key, "load_mode": load_mode, "seed": seed})
+        if scheduler_cls == INSTRUMENTED:
+            scheduler_cls = builder.instrumented_cls(config)
+        settings = {"export": False} if kvmetrics_settings is None else dict(kvmetrics_settings)
+        if recovery != "vllm":
+            settings["recovery"] = recovery
         self.scheduler = builder.build_scheduler(
             config, scheduler_cls=scheduler_cls, connector=connector,
-            reserve_full_prompt=reserve_full_prompt,
-            kvmetrics_settings={"export": False} if kvmetrics_settings is None
-            else kvmetrics_settings)
+            kvmetrics_settings=settings)
         self.hasher = builder.block_hasher_for(self.scheduler.vllm_config)
         self.adapter = VllmRunnerAdapter(runner, config.block_size)
         self.records: list[StepRecord] | None = [] if keep_records else None
         self.requests: dict[str, VllmRequest] = {}
         self._arrival = itertools.count()
-        self.on_step: Callable[[StepRecord], None] | None = None
+        sched = self.scheduler
+        self.batch_queue: BatchQueue | None = None
+        if config.async_scheduling:
+            self.batch_queue = BatchQueue(sched.schedule, self._execute, self._update,
+                                          sched.has_requests,
+                                          lambda out: out.total_num_scheduled_tokens)
 
     # -- requests --------------------------------------------------------------------
 
@@ -125,10 +146,15 @@ class VllmEngine:
 
     # -- loop ------------------------------------------------------------------------
 
-    def step(self) -> StepRecord:
+    def _execute(self, out: Any) -> StepRecord:
+        in_flight = len(self.batch_queue) if self.batch_queue is not None else 0
+        record = self.adapter.execute(out, self.scheduler, in_flight)
+        if self.records is not None:
+            self.records.append(record)
+        return record
+
+    def _update(self, out: Any, record: StepRecord) -> None:
         sched = self.scheduler
-        out = sched.schedule()
-        record = self.adapter.execute(out, sched)
         merge = getattr(sched, "kvmetrics_merge", None)
         if merge is not None:
             merge(record.result.events)
@@ -136,13 +162,20 @@ class VllmEngine:
         if self.pipeline is not None:
             for events in self.drain_events():
                 self.pipeline.record(events)
-        if self.records is not None:
-            self.records.append(record)
-        if self.on_step is not None:
-            self.on_step(record)
+
+    def step(self) -> StepRecord | None:
+        """One engine step; returns the step it scheduled (None: it only processed one)."""
+        if self.batch_queue is not None:
+            started = self.batch_queue.step()
+            return started[1] if started is not None else None
+        out = self.scheduler.schedule()
+        record = self._execute(out)
+        self._update(out, record)
         return record
 
     def busy(self) -> bool:
+        if self.batch_queue is not None:
+            return bool(self.scheduler.has_requests() or self.batch_queue)
         return self.scheduler.has_unfinished_requests() or self.adapter.has_pending_work
 
     def run(self, max_steps: int = 1_000_000) -> int:

@@ -125,10 +125,13 @@ class VllmRunnerAdapter:
     def has_pending_work(self) -> bool:
         return bool(self.runner.has_pending_work)
 
-    def execute(self, out: Any, scheduler: Any) -> StepRecord:
+    def execute(self, out: Any, scheduler: Any, in_flight_steps: int = 0) -> StepRecord:
+        """Run one scheduled step; ``in_flight_steps`` earlier steps were scheduled but
+        not yet processed when vLLM made this one (1 under its async batch queue)."""
         self.step += 1
         ours = convert_output(out, self.step, self.worker, scheduler.requests, self.block_size,
                               scheduler.connector is not None)
+        ours.in_flight_steps = in_flight_steps
         result = self.runner.execute(ours)
         return StepRecord(out, ours, result, convert_result(out, result))
 
