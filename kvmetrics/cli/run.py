@@ -53,12 +53,29 @@ def _add(p: argparse.ArgumentParser) -> None:
     g.add_argument("--store-blocks", type=int, metavar="N",
                    help="external store capacity in blocks (default 4x GPU blocks; 0: none)")
     g.add_argument("--policy", default="recompute", choices=POLICIES,
-                   help="KV load failure policy (default recompute)")
+                   help="KV load failure policy: recompute (the lab's default) or fail. "
+                   "vLLM's own default is fail (since #34896); the lab recomputes by "
+                   "default because that is the path whose rollbacks, recomputes and "
+                   "stale reads it exists to measure")
     g.add_argument("--accounting", default="unified", choices=ACCOUNTINGS,
                    help="unified (default) or historical (reproduces the old negative counts)")
     g.add_argument("--recovery", default="vllm", choices=RECOVERIES,
-                   help="vllm (default: vLLM 0.33's recovery path) or evict (the fix for its "
-                   "stale reads; reference engine only)")
+                   help="vllm (default): vLLM 0.33's recovery path, its defects included "
+                   "(the reference engine reproduces them); evict: the complete fix, on "
+                   "either engine (on vLLM its scheduler's opt-in KVMETRICS_RECOVERY=evict). "
+                   "See docs/vllm-defects.md")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="vLLM's async scheduling: a batch queue of two steps, step n+1 "
+                   "scheduled before step n's output is processed. vLLM's default on "
+                   "GPUs; the lab's default is lockstep, what vLLM runs on CPUs and with "
+                   "a synchronous --scheduler-cls")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0, metavar="N",
+                   help="at most N tokens per request and step while others wait "
+                   "(vLLM's option; 0, its default, is off)")
+    g.add_argument("--no-reserve-full-prompt", dest="reserve_full_prompt",
+                   action="store_false",
+                   help="admit a request when its first chunk fits (vLLM's "
+                   "scheduler_reserve_full_isl off; on by default, as in vLLM)")
     g = p.add_argument_group("faults")
     g.add_argument("--fault-rate", type=float, default=0.02, metavar="P",
                    help="probability that each loaded block fails (default 0.02)")
@@ -138,7 +155,10 @@ def _run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_tokens=args.max_tokens, fault_rate=args.fault_rate, fault_mode=args.fault_mode,
         fault_plan=args.fault_plan, policy=args.policy, accounting=args.accounting,
-        recovery=args.recovery, store_blocks=args.store_blocks, kv_dim=args.kv_dim,
+        recovery=args.recovery, async_scheduling=args.async_scheduling,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        reserve_full_prompt=args.reserve_full_prompt,
+        store_blocks=args.store_blocks, kv_dim=args.kv_dim,
         device=args.device, verify=args.verify,
         verify_fraction=(DEFAULT_VERIFY_FRACTION if args.verify_fraction is None
                          else args.verify_fraction),
@@ -187,5 +207,7 @@ COMMAND = Command(
         "kvmetrics run --report run.html                # + an HTML report with charts",
         "kvmetrics run --policy fail --fault-rate 0.1 --json",
         "kvmetrics run --engine vllm --max-requests 100  # vLLM's real scheduler",
+        "kvmetrics run --engine vllm --async-scheduling  # vLLM's default on GPUs",
+        "kvmetrics run --engine vllm --recovery evict    # with the complete fix",
         "kvmetrics run --serve 127.0.0.1:9400 --linger 60 --realtime",
     ))

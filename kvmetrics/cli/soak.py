@@ -60,7 +60,9 @@ def _add(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the first scenario")
     p.add_argument("--accounting", default="unified", choices=ACCOUNTINGS)
     p.add_argument("--verify", default="full", choices=VERIFY_MODES)
-    p.add_argument("--recovery", default="vllm", choices=RECOVERIES)
+    p.add_argument("--recovery", default="vllm", choices=RECOVERIES,
+                   help="vllm (default: vLLM 0.33's recovery path) or evict (the fix), "
+                   "on every engine")
     p.add_argument("--jobs", "-j", type=_jobs, default=1, metavar="N",
                    help="worker processes (default 1; auto: one per CPU); the report is the "
                    "same for any N")

@@ -37,9 +37,16 @@ class LabConfig:
     fault_plan: str | None = None
     policy: str = "recompute"
     accounting: str = "unified"
-    #: ``vllm`` (vLLM 0.33's recovery path) or ``evict`` (the fix for its stale reads;
-    #: reference engine only, see kvmetrics.engine.recovery).
+    #: ``vllm``: vLLM 0.33's recovery path, its defects included (the reference engine
+    #: reproduces them). ``evict``: the complete fix on either engine (on vLLM, its
+    #: scheduler's opt-in protective mode). See docs/vllm-defects.md.
     recovery: str = "vllm"
+    #: vLLM's async scheduling (its default on GPUs): a batch queue of two steps.
+    async_scheduling: bool = False
+    #: vLLM's ``long_prefill_token_threshold`` (0: off, vLLM's default).
+    long_prefill_token_threshold: int = 0
+    #: vLLM's ``scheduler_reserve_full_isl`` (on, as in vLLM).
+    reserve_full_prompt: bool = True
     #: Capacity of the external (host) store in blocks; 0 runs without a connector.
     store_blocks: int | None = None
     kv_dim: int = 8
@@ -88,6 +95,11 @@ class LabConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
+        if isinstance(self.long_prefill_token_threshold, bool) \
+                or not isinstance(self.long_prefill_token_threshold, int) \
+                or self.long_prefill_token_threshold < 0:
+            raise LabError("--long-prefill-token-threshold must be an integer >= 0, "
+                           f"got {self.long_prefill_token_threshold!r}")
         if self.store_blocks is not None and (isinstance(self.store_blocks, bool)
                                               or self.store_blocks < 0):
             raise LabError(f"--store-blocks must be >= 0, got {self.store_blocks}")

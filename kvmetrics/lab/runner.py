@@ -87,9 +87,24 @@ def scheduler_config(cfg: LabConfig, items: list[WorkItem]) -> SchedulerConfig:
             block_size=cfg.block_size, num_gpu_blocks=cfg.num_gpu_blocks,
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_model_len=max(longest, cfg.block_size), kv_load_failure_policy=cfg.policy,
-            accounting=cfg.accounting, recovery=cfg.recovery)
+            accounting=cfg.accounting, **engine_fidelity(cfg))
     except ConfigError as e:
         raise LabError(str(e)) from None
+
+
+def engine_fidelity(cfg: LabConfig) -> dict[str, Any]:
+    """The scheduler settings that follow vLLM: its defaults, and its defects or the fix.
+
+    ``--recovery vllm`` is vLLM 0.33 as it is, so the reference engine reproduces
+    all five recovery-path defects of docs/vllm-defects.md (and both engines agree
+    exactly); ``--recovery evict`` fixes all of them, on either engine.
+    """
+    faithful = cfg.recovery == "vllm"
+    return dict(recovery=cfg.recovery, async_scheduling=cfg.async_scheduling,
+                async_admission="vllm" if faithful else "live",
+                async_rollback="vllm" if faithful else "drop",
+                reserve_full_prompt=cfg.reserve_full_prompt,
+                long_prefill_token_threshold=cfg.long_prefill_token_threshold)
 
 
 def fault_plan(cfg: LabConfig) -> FaultPlan:

@@ -82,8 +82,7 @@ Task = tuple[int, str, str, str, str]
 
 
 def _tasks(campaign: Campaign, seeds: range) -> list[Task]:
-    return [(seed, engine, campaign.accounting, campaign.verify,
-             campaign.recovery if engine == "reference" else "vllm")
+    return [(seed, engine, campaign.accounting, campaign.verify, campaign.recovery)
             for seed in seeds for engine in campaign.engines]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvmetrics.engine.executor import worker_tokens
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.scheduler import SchedulerConfig
@@ -18,7 +19,7 @@ except ImportError as e:  # the lab shows this message as its one-line error
     raise ImportError(f"vLLM is not installed ({e}); see README 'vLLM integration' for the "
                       "light CPU-only install") from e
 from kvmetrics.lab.config import LabConfig, LabError
-from kvmetrics.lab.engines import make_request, make_runner
+from kvmetrics.lab.engines import EOS_PROBABILITY, make_request, make_runner
 from kvmetrics.lab.workload import WorkItem
 from kvmetrics.metrics.events import StepEvents
 
@@ -30,17 +31,18 @@ class VllmLabEngine:
         if cfg.accounting != "unified":
             raise LabError("--accounting historical needs --engine reference "
                            "(vLLM 0.33 only has the unified accounting)")
-        if cfg.recovery != "vllm":
-            raise LabError("--recovery evict needs --engine reference "
-                           "(vLLM runs its own recovery path)")
         capacity = cfg.store_capacity
         self.store = ExternalStoreIndex(capacity) if capacity else None
-        self.runner = make_runner(cfg, faults, self.store, self._tokens)
+        self.runner = make_runner(cfg, faults, self.store, worker_tokens(
+            self._prompt, lambda rid: self.engine.requests[rid].num_prompt_tokens,
+            EOS_PROBABILITY))
+        # --recovery evict: vLLM's scheduler with kvmetrics' protective mode on.
         self.engine = VllmEngine(sched_cfg, self.runner, store=self.store,
-                                 load_mode=cfg.fault_mode, seed=cfg.seed)
+                                 load_mode=cfg.fault_mode, seed=cfg.seed,
+                                 recovery=cfg.recovery)
 
-    def _tokens(self, request_id: str, start: int, end: int) -> list[int]:
-        return list(self.engine.requests[request_id].all_token_ids[start:end])
+    def _prompt(self, request_id: str, start: int, end: int) -> list[int]:
+        return list(self.engine.requests[request_id].prompt_token_ids[start:end])
 
     def add(self, item: WorkItem, max_tokens: int | None) -> None:
         self.engine.add_request(make_request(item, max_tokens))
@@ -49,7 +51,8 @@ class VllmLabEngine:
         return self.engine.abort(request_id)
 
     def step(self) -> int:
-        return self.engine.step().output.total_num_scheduled_tokens
+        record = self.engine.step()
+        return record.output.total_num_scheduled_tokens if record is not None else 0
 
     def busy(self) -> bool:
         return self.engine.busy()

@@ -43,6 +43,7 @@ from vllm.v1.request import RequestStatus
 
 from kvmetrics.integrations.vllm import hooks
 from kvmetrics.integrations.vllm.exporting import Exporter, build_exporter, settings_for
+from kvmetrics.integrations.vllm.protect import ProtectMixin
 from kvmetrics.integrations.vllm.recorder import StepRecorder
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import GaugeReadings, PoolSnapshot, StepEvents
@@ -469,9 +470,10 @@ class InstrumentedMixin:
                 self.kvmetrics_exporter.shutdown()
 
 
-class InstrumentedScheduler(InstrumentedMixin, Scheduler):
-    """vLLM's synchronous scheduler plus kvmetrics counters."""
+class InstrumentedScheduler(InstrumentedMixin, ProtectMixin, Scheduler):
+    """vLLM's synchronous scheduler plus kvmetrics counters (and, opt-in, the
+    protective recovery of :mod:`kvmetrics.integrations.vllm.protect`)."""
 
 
-class InstrumentedAsyncScheduler(InstrumentedMixin, AsyncScheduler):
+class InstrumentedAsyncScheduler(InstrumentedMixin, ProtectMixin, AsyncScheduler):
     """vLLM's async scheduler plus kvmetrics counters (``--async-scheduling``)."""

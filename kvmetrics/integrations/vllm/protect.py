@@ -1,0 +1,161 @@
+"""A protective recovery path for vLLM's real scheduler: opt-in, off by default.
+
+``KVMETRICS_RECOVERY=evict`` (or ``--additional-config '{"kvmetrics":
+{"recovery": "evict"}}'``) makes the instrumented scheduler fix the five
+recovery-path defects of vLLM 0.33 that ``kvmetrics vllm-check`` reports
+(docs/vllm-defects.md), with the same rules as the reference engine's
+``recovery="evict"``, ``async_admission="live"`` and ``async_rollback="drop"``:
+
+- every request that read a failed block is rolled back to that block, sharers
+  included (a sharer otherwise keeps counting it as computed and reads it while
+  its owner recomputes it in chunks);
+- under both policies the blocks of every affected running request from its
+  rollback point on leave the prefix cache (under ``recompute`` vLLM keeps them
+  hashed, and the next request with that prefix reads KV that was never loaded
+  once the owner is preempted or aborted; under ``fail`` it forgets the sharers'
+  own blocks), and each is hashed again by one of its holders when recomputed;
+- a step the rolled-back request has in flight (async scheduling) has its output
+  discarded and its placeholders cleared, as a preemption does;
+- a request whose async load failed in every block leaves the in-flight prefills
+  and the queue of block holders, so its own reservation can no longer stall it.
+
+With the setting off (the default) every override calls vLLM's method and
+nothing else: observing never changes vLLM's decisions unless asked to.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+RECOVERIES = ("vllm", "evict")
+
+
+def recovery_setting(vllm_config: Any, env: Mapping[str, str] | None = None) -> str:
+    """``KVMETRICS_RECOVERY``, overridden by ``additional_config["kvmetrics"]["recovery"]``."""
+    env = os.environ if env is None else env
+    value: Any = env.get("KVMETRICS_RECOVERY", "vllm")
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and isinstance(extra.get("kvmetrics"), dict):
+        value = extra["kvmetrics"].get("recovery", value)
+    value = str(value).strip().lower() or "vllm"
+    if value not in RECOVERIES:
+        raise ValueError(f"KVMETRICS_RECOVERY must be one of {', '.join(RECOVERIES)}, "
+                         f"got {value!r}")
+    return value
+
+
+class ProtectMixin:
+    """The fixes, mixed into vLLM's Scheduler or AsyncScheduler (after the hooks)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        me: Any = self
+        self.kvmetrics_recovery = recovery_setting(me.vllm_config)
+        self._protect_evict: set[int] = set()
+        self._protect_emptied: Any = None
+        if self.kvmetrics_recovery == "evict":
+            # Fail at startup, not at the first failed load, if vLLM's internals moved.
+            managers = me.kv_cache_manager.coordinator.single_type_managers
+            if len(managers) != 1 or not hasattr(managers[0], "num_cached_block") \
+                    or not hasattr(me, "_inflight_prefills"):
+                raise RuntimeError("KVMETRICS_RECOVERY=evict supports one KV cache group on "
+                                   "vLLM's 0.33 scheduler internals only")
+
+    @property
+    def kvmetrics_protecting(self) -> bool:
+        return self.kvmetrics_recovery == "evict"
+
+    # -- sync and async rollbacks ------------------------------------------------------
+
+    def _update_requests_with_invalid_blocks(
+        self, requests: Iterable[Any], invalid_block_ids: set[int],
+        num_scheduled_tokens: dict[str, int], evict_blocks: bool = True,
+    ) -> tuple[set[str], int, set[int]]:
+        if not self.kvmetrics_protecting:
+            return super()._update_requests_with_invalid_blocks(  # type: ignore[misc]
+                requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
+        me: Any = self
+        bs = me.block_size
+        cached = me.kv_cache_manager.coordinator.single_type_managers[0].num_cached_block
+        affected: set[str] = set()
+        total = 0
+        to_evict: set[int] = set()
+        claimed: set[int] = set()
+        for request in requests:
+            rid = request.request_id
+            (block_ids,) = me.kv_cache_manager.get_block_ids(rid)
+            before = request.num_computed_tokens - num_scheduled_tokens.get(rid, 0)
+            n_blocks = -(-before // bs)
+            first = next((i for i, b in enumerate(block_ids[:n_blocks])
+                          if b in invalid_block_ids), None)
+            if first is None:
+                continue
+            request.num_computed_tokens = first * bs
+            total += before - first * bs
+            if evict_blocks:
+                to_evict.update(block_ids[first:])
+                _rehash_from(cached, rid, block_ids, first, claimed)
+            # The output of steps in flight was computed over the failed block or at
+            # positions just taken back: discard it when it comes, as for a preemption.
+            request.num_stale_output_tokens = request.num_in_flight_tokens
+            request.drop_stale_output = request.num_in_flight_tokens > 0
+            request.num_output_placeholders = 0
+            affected.add(rid)
+        if evict_blocks:
+            self._protect_evict |= to_evict
+        return affected, total, to_evict
+
+    def _handle_invalid_blocks(self, invalid_block_ids: set[int],
+                               num_scheduled_tokens: dict[str, int]) -> set[str]:
+        if not self.kvmetrics_protecting:
+            return super()._handle_invalid_blocks(  # type: ignore[misc]
+                invalid_block_ids, num_scheduled_tokens)
+        me: Any = self
+        self._protect_evict = set()
+        try:
+            result = super()._handle_invalid_blocks(  # type: ignore[misc]
+                invalid_block_ids, num_scheduled_tokens)
+            # Under "fail" vLLM evicts them itself; under "recompute" it would not.
+            if self._protect_evict and me.recompute_kv_load_failures:
+                me.kv_cache_manager.evict_blocks(self._protect_evict)
+        finally:
+            self._protect_evict = set()
+        return result
+
+    # -- async loads that failed in every block ----------------------------------------
+
+    def _update_waiting_for_remote_kv(self, request: Any) -> None:
+        me: Any = self
+        emptied = (self.kvmetrics_protecting
+                   and request.request_id in me.failed_recving_kv_req_ids
+                   and not request.num_computed_tokens)
+        super()._update_waiting_for_remote_kv(request)  # type: ignore[misc]
+        if emptied:
+            me._inflight_prefills.discard(request)
+            self._protect_emptied = request
+
+    def _handle_blocked_waiting_request(self, request: Any) -> bool:
+        ready = super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+        if self._protect_emptied is request:
+            self._protect_emptied = None
+            # It holds no block any more: skipped now, it waits in the plain queue,
+            # behind every request that holds blocks.
+            return False
+        return ready
+
+
+def _rehash_from(cached: dict[str, int], request_id: str, block_ids: list[int], first: int,
+                 claimed: set[int]) -> None:
+    """Hash the request's blocks again from ``first`` once recomputed; a shared block
+    an earlier request claimed is hashed by that one only (vLLM asserts a block is
+    never hashed twice)."""
+    done = cached.get(request_id, 0)
+    if done <= first:
+        return
+    start = first
+    while start < done and block_ids[start] in claimed:
+        start += 1
+    claimed.update(block_ids[start:done])
+    cached[request_id] = start
