@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from kvmetrics import __version__
-from kvmetrics.cli import catalogue, report, run, soak, soak_merge, workloads
+from kvmetrics.cli import catalogue, report, run, soak, soak_merge, vllm_check, workloads
 from kvmetrics.cli.common import EXIT_USAGE, Command, Parser, add_command, setup_logging
 
 COMMANDS: tuple[Command, ...] = (
@@ -21,6 +21,7 @@ COMMANDS: tuple[Command, ...] = (
     soak_merge.COMMAND,
     workloads.COMMAND,
     catalogue.COMMAND,
+    vllm_check.COMMAND,
 )
 
 

@@ -1,0 +1,419 @@
+"""Defect canaries: each known recovery-path defect of vLLM as a minimal scenario.
+
+Every canary builds the *installed* vLLM's own ``Scheduler`` or ``AsyncScheduler``
+(no kvmetrics hook in the path), gives it a :class:`ScriptedConnector` that offers
+exactly the external tokens the scenario needs, and plays the worker with
+hand-built ``ModelRunnerOutput`` objects, in the style of vLLM's
+``tests/v1/kv_connector/unit``. It then asserts the *mechanism* (which block stays
+hashed, who reads it, what the reservation holds), not a symptom, and reports
+``present`` True or False, or None with a reason when the scenario cannot be run
+on this vLLM (its internals moved). ``kvmetrics vllm-check`` runs them all;
+docs/vllm-defects.md explains each with vLLM's code lines and the patch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Target:
+    """The scheduler classes the canaries run on: vLLM's own by default. Tests point
+    them at a patched or protected scheduler to see a canary report a fix."""
+
+    scheduler: str | type = "vllm.v1.core.sched.scheduler.Scheduler"
+    async_scheduler: str | type = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+    kvmetrics_settings: tuple[tuple[str, Any], ...] = ()
+
+
+VLLM = Target()
+_target = VLLM
+
+
+class ScenarioError(RuntimeError):
+    """The scenario did not reach the state the canary inspects (vLLM changed)."""
+
+
+@dataclass(frozen=True)
+class Defect:
+    id: str
+    summary: str
+    upstream: tuple[str, ...]
+    check: Callable[[], tuple[bool, str]]
+
+
+@dataclass
+class CanaryResult:
+    id: str
+    present: bool | None
+    summary: str
+    upstream: list[str]
+    #: What the canary saw (the mechanism), or why it could not run.
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "present": self.present, "summary": self.summary,
+                "upstream": list(self.upstream), "detail": self.detail}
+
+
+# -- the scripted connector ------------------------------------------------------------
+
+
+class _NoMetadata(KVConnectorMetadata):
+    """Nothing to tell a worker: the canaries play the worker themselves."""
+
+
+class ScriptedConnector(KVConnectorBase_V1):
+    """Offers the external tokens a canary scripts, per request, and loads nothing.
+
+    ``offers[request_id] = (tokens, load_async)``: tokens counted from the start of
+    the prompt; a local hit is subtracted, as a store connector does.
+    """
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.offers: dict[str, tuple[int, bool]] = {}
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        tokens, load_async = self.offers.get(request.request_id, (0, False))
+        extra = max(tokens - num_computed_tokens, 0)
+        return extra, load_async and extra > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _NoMetadata()
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+
+# -- a scheduler on a test bench ---------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    """vLLM's scheduler plus the few helpers every canary needs."""
+
+    sched: Any
+    hasher: Any
+    requests: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def connector(self) -> ScriptedConnector:
+        return self.sched.connector
+
+    def add(self, request_id: str, tokens: list[int], max_tokens: int = 4,
+            offer: int = 0, load_async: bool = False) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        request = Request(request_id=request_id, prompt_token_ids=list(tokens),
+                          sampling_params=SamplingParams(max_tokens=max_tokens),
+                          pooling_params=None, block_hasher=self.hasher)
+        if offer:
+            self.connector.offers[request_id] = (offer, load_async)
+        self.requests[request_id] = request
+        self.sched.add_request(request)
+        return request
+
+    def blocks(self, request_id: str) -> list[int]:
+        (ids,) = self.sched.kv_cache_manager.get_block_ids(request_id)
+        return list(ids)
+
+    def hashed(self, block_id: int) -> bool:
+        return self.sched.kv_cache_manager.block_pool.blocks[block_id].block_hash is not None
+
+    def execute(self, out: Any) -> Step:
+        """The worker runs the step now (it sees the request as scheduled): whoever
+        reaches the end of its known tokens samples one token (token id 7)."""
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = [[7] if self.requests[r].num_computed_tokens >= self.requests[r].num_tokens
+                   else [] for r in req_ids]
+        return Step(out, req_ids, sampled)
+
+    def update(self, step: Step, *, invalid: Iterable[int] = (),
+               finished_recving: Iterable[str] = ()) -> None:
+        """Hand the step's output to the scheduler; ``invalid`` blocks failed to load."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        invalid, recving = set(invalid), set(finished_recving)
+        kv_out = (KVConnectorOutput(invalid_block_ids=invalid,
+                                    finished_recving=recving or None)
+                  if invalid or recving else None)
+        self.sched.update_from_output(step.out, ModelRunnerOutput(
+            req_ids=step.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
+            sampled_token_ids=step.sampled, kv_connector_output=kv_out))
+
+    def step(self, **failures: Any) -> Any:
+        """Lockstep: schedule, execute, update; returns vLLM's scheduler output."""
+        out = self.sched.schedule()
+        self.update(self.execute(out), **failures)
+        return out
+
+
+@dataclass
+class Step:
+    out: Any
+    req_ids: list[str]
+    sampled: list[list[int]]
+
+
+def bench(policy: str = "recompute", num_gpu_blocks: int = 64, *, async_scheduling: bool = False,
+          long_prefill_token_threshold: int = 0) -> Bench:
+    """vLLM's own scheduler with the scripted connector (``kv_both``) and vLLM's defaults."""
+    from kvmetrics.engine.config import SchedulerConfig
+    from kvmetrics.integrations.vllm import builder
+
+    config = SchedulerConfig(block_size=BLOCK, num_gpu_blocks=num_gpu_blocks, max_num_seqs=8,
+                             max_num_batched_tokens=256, max_model_len=1024,
+                             kv_load_failure_policy=policy, async_scheduling=async_scheduling,
+                             long_prefill_token_threshold=long_prefill_token_threshold)
+    connector = builder.ConnectorSpec(name=ScriptedConnector.__name__, module_path=__name__)
+    sched = builder.build_scheduler(
+        config, connector=connector,
+        scheduler_cls=_target.async_scheduler if async_scheduling else _target.scheduler,
+        kvmetrics_settings=dict(_target.kvmetrics_settings) or None)
+    if not isinstance(sched.connector, ScriptedConnector):
+        raise ScenarioError("vLLM did not build the scripted connector")
+    return Bench(sched, builder.block_hasher_for(sched.vllm_config))
+
+
+def prompt(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise ScenarioError(f"scenario did not reach its state: {what}")
+
+
+# -- the defects ---------------------------------------------------------------------------
+#
+# Shared shape: request ``a`` has a 64-token prompt (4 blocks of 16) and the
+# connector offers its first 48 tokens (3 blocks) as a sync load; the load of its
+# block #1 fails.
+
+P = prompt(1_000, 64)
+
+
+def _failed_sync_load(b: Bench, *extra: tuple[str, list[int]]) -> tuple[int, dict[str, list[int]]]:
+    """Step 1: ``a`` (and ``extra`` requests, admitted right after it) run; a's block #1
+    fails. Returns the failed block id and every request's block table of that step."""
+    b.add("a", P, offer=48)
+    for rid, tokens in extra:
+        b.add(rid, tokens)
+    out = b.sched.schedule()
+    expect(out.num_scheduled_tokens.get("a", 0) > 0, "a is scheduled with its sync load")
+    tables = {rid: b.blocks(rid) for rid in out.num_scheduled_tokens}
+    failed = tables["a"][1]
+    expect(b.hashed(failed), "a's blocks are hashed at allocation, before the load ran")
+    b.update(b.execute(out), invalid={failed})
+    return failed, tables
+
+
+def _hit(b: Bench, out: Any, request_id: str) -> tuple[int, list[int]]:
+    """A newly admitted request's local hit: its tokens and the blocks they are in."""
+    (new,) = [r for r in out.scheduled_new_reqs if r.req_id == request_id]
+    return new.num_computed_tokens, list(new.block_ids[0][: new.num_computed_tokens // BLOCK])
+
+
+def recompute_keeps_failed_block() -> tuple[bool, str]:
+    b = bench("recompute")
+    failed, _ = _failed_sync_load(b)
+    a = b.requests["a"]
+    expect(a.num_computed_tokens == BLOCK, f"a rolled back to 16, not {a.num_computed_tokens}")
+    still_hashed = b.hashed(failed)
+    b.sched.finish_requests("a", _status("FINISHED_ABORTED"))  # gone before recomputing
+    b.add("c", P)
+    hit, blocks = _hit(b, b.sched.schedule(), "c")
+    reads = failed in blocks
+    detail = (f"block {failed} (a's #1, its load failed) is "
+              f"{'still' if still_hashed else 'no longer'} hashed after the rollback; "
+              f"a is aborted before recomputing it; c, same prompt, gets a {hit}-token "
+              f"local hit that {'includes' if reads else 'stops before'} it")
+    return still_hashed and reads, detail
+
+
+def chunked_recompute_sharer() -> tuple[bool, str]:
+    # A chunk limit below the block size: a recomputes its failed block in pieces.
+    b = bench("recompute", long_prefill_token_threshold=8)
+    failed, tables = _failed_sync_load(b, ("s", P))
+    a, s = b.requests["a"], b.requests["s"]
+    expect(tables["s"][1] == failed, "s hits a's blocks in the local cache")
+    expect(a.num_computed_tokens == BLOCK, f"a rolled back to 16, not {a.num_computed_tokens}")
+    out = b.sched.schedule()
+    a_end = a.num_computed_tokens
+    s_read = s.num_computed_tokens - out.num_scheduled_tokens.get("s", 0)
+    reads = "s" in out.num_scheduled_tokens and s_read >= 2 * BLOCK and a_end < 2 * BLOCK
+    detail = (f"s shares a's failed block {failed} and kept {s_read} tokens as computed; in "
+              f"the next step a recomputes that block only up to token {a_end} of [16, 32) "
+              f"while s {'reads' if reads else 'does not read'} all of it")
+    return reads, detail
+
+
+def fail_sharer_blocks_hashed() -> tuple[bool, str]:
+    b = bench("fail")
+    sharer = P[:32] + prompt(5_000, 32)  # shares a's blocks #0 and #1, then its own two
+    failed, tables = _failed_sync_load(b, ("s", sharer))
+    expect(tables["s"][1] == failed, "s hits a's blocks in the local cache")
+    expect(b.requests["s"].is_finished() and b.requests["a"].is_finished(),
+           "a and s end with an error")
+    own = tables["s"][2:4]  # computed over the failed block in step 1
+    stale = [bid for bid in own if b.hashed(bid)]
+    b.add("e", P[:33], max_tokens=1)  # computes a's first 33 tokens: re-caches #1's hash
+    while not b.requests["e"].is_finished():
+        b.step()
+    b.add("f", sharer)
+    hit, blocks = _hit(b, b.sched.schedule(), "f")
+    reads = sorted(set(blocks) & set(stale))
+    detail = (f"both end with an error; of s's own blocks {own}, computed over a's failed "
+              f"block, {stale or 'none'} stay hashed; once e has cached that block's hash "
+              f"again, f (s's prompt) gets a {hit}-token local hit "
+              f"{'that reads ' + str(reads) if reads else 'reading none of them'}")
+    return bool(reads), detail
+
+
+def async_load_stall() -> tuple[bool, str]:
+    # 6 usable blocks; r needs 4 for its prompt and loads 3 of them asynchronously.
+    b = bench("recompute", num_gpu_blocks=7)
+    r = b.add("r", P, offer=48, load_async=True)
+    out = b.sched.schedule()
+    expect(r.status == _status("WAITING_FOR_REMOTE_KVS"), "r waits for its async load")
+    # The transfer reports finished with its first block failed: nothing valid remains.
+    b.update(b.execute(out), invalid={b.blocks("r")[0]}, finished_recving={"r"})
+    waiting = _status("WAITING")
+    steps = 0
+    reserved = own = free = 0
+    in_flight = False
+    while steps < 5 and r.status in (waiting, _status("WAITING_FOR_REMOTE_KVS")):
+        out = b.sched.schedule()
+        steps += 1
+        if r.status != waiting:
+            break  # admitted again (as a new async load)
+        free = b.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        own = b.sched._request_remaining_blocks(r)
+        reserved = b.sched._inflight_prefill_reserved_blocks()
+        in_flight = r in b.sched._inflight_prefills
+        b.update(b.execute(out))
+    stuck = r.status == waiting and steps == 5
+    detail = ("r's async load failed in its first block and its blocks were freed; "
+              + (f"r stays an in-flight prefill, so the reservation an async load must "
+                 f"leave free is {reserved} blocks, {own} of them r's own: with {free} "
+                 f"blocks free and {own} needed, r is refused {steps} steps in a row"
+                 if stuck and in_flight else
+                 f"r is admitted again after {steps} step(s)"))
+    return stuck and in_flight and free >= own, detail
+
+
+def async_rollback_in_flight() -> tuple[bool, str]:
+    b = bench("recompute", async_scheduling=True)
+    a = b.add("a", P, offer=48)
+    s1 = b.sched.schedule()  # a's last prefill chunk: a placeholder for its first token
+    e1 = b.execute(s1)
+    s2 = b.sched.schedule()  # scheduled before s1's output is known: a decodes
+    e2 = b.execute(s2)
+    expect(s2.num_scheduled_tokens.get("a") == 1, "a decodes in the step scheduled ahead")
+    b.update(e1, invalid={b.blocks("a")[1]})
+    expect(a.num_computed_tokens == BLOCK, f"a rolled back to 16, not {a.num_computed_tokens}")
+    left = a.num_output_placeholders
+    b.update(e2)
+    kept = list(a.output_token_ids)
+    leftover = a.num_output_placeholders if a.num_in_flight_tokens == 0 else 0
+    detail = (f"after the rollback a has {left} output placeholder(s); the output of the "
+              f"step already in flight, which decoded over the failed block, is "
+              f"{'kept: ' + str(kept) if kept else 'discarded'}; with nothing in flight "
+              f"{leftover} placeholder(s) remain"
+              + (", so a is scheduled past the tokens it knows" if leftover else ""))
+    return bool(kept) or leftover > 0, detail
+
+
+def _status(name: str) -> Any:
+    from vllm.v1.request import RequestStatus
+
+    return getattr(RequestStatus, name)
+
+
+DEFECTS: tuple[Defect, ...] = (
+    Defect("recompute-keeps-failed-block",
+           "recompute: a failed sync block stays hashed; if its owner is preempted or "
+           "aborted before recomputing it, the next request with that prefix reads KV "
+           "that was never loaded",
+           ("vllm-project/vllm#53298",), recompute_keeps_failed_block),
+    Defect("chunked-recompute-sharer",
+           "recompute: a sharer of a failed block keeps counting it as computed and reads "
+           "it while its owner recomputes it in chunks (no preemption needed)",
+           ("vllm-project/vllm#49250", "vllm-project/vllm#53298"), chunked_recompute_sharer),
+    Defect("fail-sharer-blocks-hashed",
+           "fail: a sharer's own new blocks, computed over the failed block, stay hashed "
+           "and are hit once the failed block's hash is cached again",
+           (), fail_sharer_blocks_hashed),
+    Defect("async-load-stall",
+           "an async load that failed in every block frees its blocks but stays an "
+           "in-flight prefill, so its own reservation keeps it (and everything queued "
+           "behind it) from being admitted again",
+           ("vllm-project/vllm#48433", "vllm-project/vllm#57841"), async_load_stall),
+    Defect("async-rollback-in-flight",
+           "async scheduling: the rollback leaves the request's output placeholders and "
+           "keeps the output of the step already scheduled over the failed block",
+           ("vllm-project/vllm#45138", "vllm-project/vllm#45146", "vllm-project/vllm#49252",
+            "vllm-project/vllm#53298", "vllm-project/vllm#56733"), async_rollback_in_flight),
+)
+
+
+def run_canary(defect: Defect) -> CanaryResult:
+    result = CanaryResult(defect.id, None, defect.summary, list(defect.upstream))
+    try:
+        result.present, result.detail = defect.check()
+    except Exception as e:  # changed internals: say so, never crash the check
+        result.detail = f"could not run on this vLLM: {type(e).__name__}: {e}".splitlines()[0]
+    return result
+
+
+def run_all(ids: Iterable[str] | None = None, target: Target = VLLM) -> list[CanaryResult]:
+    global _target
+    wanted = set(ids) if ids is not None else None
+    _target = target
+    try:
+        return [run_canary(d) for d in DEFECTS if wanted is None or d.id in wanted]
+    finally:
+        _target = VLLM
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
