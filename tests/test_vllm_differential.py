@@ -2,17 +2,22 @@
 
 Per-request outcomes (finish reason, output tokens), step counts and every
 counter total must be equal. The runs use the built-in store connector and the
-pure model runner on both sides; see docs/vllm.md for what differs and why.
+pure model runner on both sides, and vLLM's own scheduler defaults
+(``scheduler_reserve_full_isl`` on). Two pairings are exact:
 
-The one deliberate difference is the admission of async loads under memory
-pressure: vLLM 0.33 lets a request whose async load failed in every block keep
-reserving blocks for itself at the head of the waiting queue, which can stall
-the engine for good. The reference engine's default (``async_admission="live"``)
-does not; with ``async_admission="vllm"`` it reproduces vLLM exactly, stall
-included. The tests below assert exactly that difference and no other.
+- ``vllm_faithful``: vLLM 0.33 as it is, against the reference engine
+  reproducing its recovery-path defects (docs/vllm-defects.md);
+- ``kvmetrics_fix``: vLLM's scheduler with kvmetrics' protective mode
+  (``KVMETRICS_RECOVERY=evict``) against the reference engine's complete fix.
+
+Both in lockstep and under async scheduling (vLLM's default on GPUs: a batch
+queue of two, deferred block frees with a ``kv_both`` connector), with memory
+tight enough to preempt and evict.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
@@ -21,17 +26,23 @@ from kvmetrics.engine.scheduler import SchedulerConfig
 from kvmetrics.integrations.vllm.differential import (
     RunResult,
     Workload,
+    kvmetrics_fix,
     random_workload,
     run_reference,
     run_vllm,
+    vllm_faithful,
 )
 from kvmetrics.metrics import catalogue as cat
 
+PAIRINGS: dict[str, Callable[[SchedulerConfig], SchedulerConfig]] = {
+    "faithful": vllm_faithful, "fix": kvmetrics_fix}
 
-def config(policy: str, blocks: int) -> SchedulerConfig:
-    return SchedulerConfig(block_size=16, num_gpu_blocks=blocks, max_num_seqs=8,
+
+def config(policy: str, blocks: int, pairing: str = "faithful", **kw: object) -> SchedulerConfig:
+    base = SchedulerConfig(block_size=16, num_gpu_blocks=blocks, max_num_seqs=8,
                            max_num_batched_tokens=128, max_model_len=1024,
-                           kv_load_failure_policy=policy)
+                           kv_load_failure_policy=policy, **kw)  # type: ignore[arg-type]
+    return PAIRINGS[pairing](base)
 
 
 def assert_same(ref: RunResult, vllm: RunResult) -> None:
@@ -50,7 +61,7 @@ def test_reference_and_vllm_count_the_same(mode: str, policy: str, seed: int) ->
     workload = random_workload(seed, 60, load_mode=mode, doc_blocks=(2, 6))
     faults = FaultPlan(rate=0.15, seed=seed)
     ref = run_reference(cfg, workload, faults)
-    vllm = run_vllm(cfg, workload, faults)  # vLLM's default scheduler settings
+    vllm = run_vllm(cfg, workload, faults)
     assert_same(ref, vllm)
     totals = vllm.pipeline.totals
     assert totals.get(cat.KV_LOAD_BLOCKS, outcome="failed") > 0
@@ -59,33 +70,63 @@ def test_reference_and_vllm_count_the_same(mode: str, policy: str, seed: int) ->
     assert totals.get(cat.PREFIX_CACHE_HIT_TOKENS, source="external") > 0
 
 
-def tight(policy: str, seed: int, mode: str = "sync",
-          async_admission: str = "live") -> tuple[SchedulerConfig, Workload]:
-    cfg = SchedulerConfig(block_size=16, num_gpu_blocks=30, max_num_seqs=8,
-                          max_num_batched_tokens=128, max_model_len=1024,
-                          kv_load_failure_policy=policy, async_admission=async_admission)
-    return cfg, random_workload(seed, 60, load_mode=mode)
+def tight(policy: str, seed: int, mode: str = "sync", pairing: str = "faithful",
+          **kw: object) -> tuple[SchedulerConfig, Workload]:
+    return config(policy, 30, pairing, **kw), random_workload(seed, 60, load_mode=mode)
 
 
 @pytest.mark.parametrize(("policy", "seed"), [("recompute", 1), ("fail", 0), ("recompute", 6)])
 def test_tight_memory_sync_loads_agree(policy: str, seed: int) -> None:
     cfg, workload = tight(policy, seed)
     faults = FaultPlan(rate=0.15, seed=seed)
-    ref = run_reference(cfg, workload, faults)
-    # The reference does not model vLLM's admission gate on the whole prompt.
     vllm = run_vllm(cfg, workload, faults)
-    assert_same(ref, vllm)
+    assert_same(run_reference(cfg, workload, faults), vllm)
     assert vllm.pipeline.totals.get(cat.PREEMPTIONS) > 0
     assert vllm.pipeline.totals.get(cat.EVICTED_BLOCKS, cause="capacity") > 0
 
 
 @pytest.mark.parametrize(("policy", "seed"), [("recompute", 2), ("fail", 3)])
-def test_tight_memory_async_loads_agree_in_vllm_admission_mode(policy: str, seed: int) -> None:
-    cfg, workload = tight(policy, seed, mode="async", async_admission="vllm")
+def test_tight_memory_async_loads_agree(policy: str, seed: int) -> None:
+    cfg, workload = tight(policy, seed, mode="async")
     faults = FaultPlan(rate=0.15, seed=seed)
     vllm = run_vllm(cfg, workload, faults)
     assert_same(run_reference(cfg, workload, faults), vllm)
     assert vllm.pipeline.totals.get(cat.KV_LOAD_BLOCKS, mode="async", outcome="failed") > 0
+
+
+@pytest.mark.parametrize(("mode", "policy", "seed", "pairing"), [
+    ("sync", "recompute", 1, "faithful"), ("mixed", "recompute", 4, "faithful"),
+    ("async", "fail", 3, "faithful"), ("mixed", "recompute", 4, "fix"),
+    ("sync", "fail", 0, "fix"), ("async", "recompute", 2, "fix"),
+])
+def test_async_scheduling_agrees_under_faults_and_memory_pressure(
+        mode: str, policy: str, seed: int, pairing: str) -> None:
+    cfg, workload = tight(policy, seed, mode, pairing, async_scheduling=True)
+    faults = FaultPlan(rate=0.15, seed=seed)
+    vllm = run_vllm(cfg, workload, faults)
+    assert_same(run_reference(cfg, workload, faults), vllm)
+    sched = vllm.engine.scheduler
+    # vLLM ran as a GPU deployment does: two batches in flight, frees deferred.
+    assert type(sched).__name__ == "InstrumentedAsyncScheduler"
+    assert sched.defer_block_free and sched.processed_step_seq == sched.sched_step_seq > 0
+    totals = vllm.pipeline.totals
+    assert totals.get(cat.KV_LOAD_FAILED_REQUESTS) > 0
+    assert totals.get(cat.EVICTED_BLOCKS, cause="capacity") > 0
+    # The batch queue matters: the same run in lockstep counts differently.
+    lockstep = run_reference(config(policy, 30, pairing), workload, faults)
+    assert lockstep.pipeline.totals.series() != totals.series()
+
+
+@pytest.mark.parametrize("pairing", ["faithful", "fix"])
+def test_a_chunk_limit_and_async_scheduling_agree(pairing: str) -> None:
+    """vLLM's long_prefill_token_threshold under a small budget: recomputes go in
+    chunks, so sharers of a failed block meet it part-way (chunked-recompute-sharer)."""
+    cfg, workload = tight("recompute", 5, "mixed", pairing, async_scheduling=True,
+                          long_prefill_token_threshold=16)
+    faults = FaultPlan(rate=0.2, seed=5)
+    vllm = run_vllm(cfg, workload, faults)
+    assert_same(run_reference(cfg, workload, faults), vllm)
+    assert vllm.pipeline.totals.get(cat.RECOMPUTED_TOKENS, cause="kv_load_failure") > 0
 
 
 STALL = dict(block_size=16, num_gpu_blocks=12, max_num_seqs=8, max_num_batched_tokens=64,
@@ -97,17 +138,28 @@ def _stall_workload() -> Workload:
                            warm_docs=6)
 
 
-def test_vllm_stalls_where_the_reference_finishes() -> None:
-    """vLLM 0.33 finding: a request whose async load failed in every block is freed
-    but stays in ``_inflight_prefills``; re-admitted as an async load it reserves
-    its own remaining blocks, cannot fit, and ends the waiting scan, so the finished
-    loads queued behind it never run. Nothing is running, so nothing frees blocks."""
+def test_vllm_stalls_and_the_fix_finishes_on_both_engines() -> None:
+    """docs/vllm-defects.md ``async-load-stall``, with vLLM's defaults: a request whose
+    async load failed in every block is freed but stays in ``_inflight_prefills``;
+    re-admitted as an async load it reserves its own remaining blocks, cannot fit,
+    and ends the waiting scan, so the finished loads queued behind it never run.
+    The reference engine reproduces it exactly; with the fix (vLLM's protective mode
+    on its real scheduler) both finish, identically."""
     faults = FaultPlan(rate=0.5, seed=0)
-    with pytest.raises(RuntimeError, match="unfinished after 400 steps"):
-        run_vllm(SchedulerConfig(**STALL), _stall_workload(), faults, max_steps=400)
-    with pytest.raises(RuntimeError, match="unfinished after 400 steps"):
-        run_reference(SchedulerConfig(**STALL, async_admission="vllm"), _stall_workload(),
-                      faults, max_steps=400)
-    live = run_reference(SchedulerConfig(**STALL), _stall_workload(), faults, max_steps=400)
+    faithful = vllm_faithful(SchedulerConfig(**STALL))  # type: ignore[arg-type]
+    for run in (run_vllm, run_reference):
+        with pytest.raises(RuntimeError, match="unfinished after 400 steps"):
+            run(faithful, _stall_workload(), faults, max_steps=400)
+    fixed = kvmetrics_fix(faithful)
+    vllm = run_vllm(fixed, _stall_workload(), faults, max_steps=400)
+    assert_same(run_reference(fixed, _stall_workload(), faults, max_steps=400), vllm)
+    assert all(reason is not None for reason, _ in vllm.outcomes.values())
+    assert vllm.steps < 200
+    assert vllm.pipeline.totals.get(cat.KV_LOAD_BLOCKS, mode="async", outcome="failed") > 0
+
+
+def test_the_reference_defaults_avoid_the_stall_too() -> None:
+    """SchedulerConfig's own defaults (the library's) also leave the stall out."""
+    live = run_reference(SchedulerConfig(**STALL), _stall_workload(),  # type: ignore[arg-type]
+                         FaultPlan(rate=0.5, seed=0), max_steps=400)
     assert all(reason is not None for reason, _ in live.outcomes.values())
-    assert live.steps < 200

@@ -5,13 +5,17 @@ steps, the same runner (a fresh ``SimulatedExecutor`` with the same fault plan)
 and an external store warmed with the same prompts in the same order (each
 engine hashes them its own way, so the store's LRU order is the same). What
 comes out is comparable: per-request outcomes and the pipeline's counter totals.
+
+vLLM runs either its own recovery path or, with kvmetrics' protective mode on,
+the complete fix; :func:`vllm_faithful` and :func:`kvmetrics_fix` give the
+reference configuration that matches each exactly, async scheduling included.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvmetrics.engine.connector import StoreConnector
 from kvmetrics.engine.executor import EOS_TOKEN_ID, SimulatedExecutor
@@ -22,6 +26,27 @@ from kvmetrics.engine.request import Request
 from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
 from kvmetrics.engine.tokens import ExplicitTokens
 from kvmetrics.metrics.pipeline import MetricsPipeline
+
+
+def vllm_faithful(config: SchedulerConfig) -> SchedulerConfig:
+    """The reference engine as vLLM 0.33 is, its recovery-path defects included."""
+    return replace(config, recovery="vllm", async_admission="vllm", async_rollback="vllm")
+
+
+def kvmetrics_fix(config: SchedulerConfig) -> SchedulerConfig:
+    """The complete fix, on the reference engine as on vLLM's protective mode."""
+    return replace(config, recovery="evict", async_admission="live", async_rollback="drop")
+
+
+def vllm_recovery(config: SchedulerConfig) -> str:
+    """The ``KVMETRICS_RECOVERY`` under which vLLM matches ``config`` exactly."""
+    modes = (config.recovery, config.async_admission, config.async_rollback)
+    if modes == ("evict", "live", "drop"):
+        return "evict"
+    if modes == ("vllm", "vllm", "vllm"):
+        return "vllm"
+    raise ValueError(f"recovery/async_admission/async_rollback {'/'.join(modes)} has no vLLM "
+                     "counterpart: use vllm_faithful() or kvmetrics_fix()")
 
 
 @dataclass(frozen=True)
@@ -136,6 +161,7 @@ def run_vllm(config: SchedulerConfig, workload: Workload, faults: FaultPlan,
     pipeline = MetricsPipeline(strict=True, engine_kind="vllm")
     engine = VllmEngine(config, _runner(workload, faults, store), store=store,
                         load_mode=workload.load_mode, pipeline=pipeline,
+                        recovery=vllm_recovery(config),
                         **engine_kwargs)  # type: ignore[arg-type]
     for tokens in workload.warm:
         for h in engine.block_hashes(list(tokens)):
