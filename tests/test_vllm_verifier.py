@@ -28,7 +28,8 @@ OTHER = list(range(2000, 2032))  # 2 blocks; its 33rd token needs a third
 
 
 def torch_engine(policy: str, blocks: int, faults: FaultPlan, store_blocks: int = 16,
-                 load_mode: str = "sync") -> tuple[VllmEngine, TorchModelRunner, MetricsPipeline]:
+                 load_mode: str = "sync", recovery: str = "vllm"
+                 ) -> tuple[VllmEngine, TorchModelRunner, MetricsPipeline]:
     cfg = SchedulerConfig(block_size=16, num_gpu_blocks=blocks, max_num_seqs=8,
                           max_num_batched_tokens=256, max_model_len=1024,
                           kv_load_failure_policy=policy)
@@ -40,15 +41,17 @@ def torch_engine(policy: str, blocks: int, faults: FaultPlan, store_blocks: int 
         tokens=lambda rid, start, end: list(engines[0].requests[rid].all_token_ids[start:end]))
     pipeline = MetricsPipeline()
     engine = VllmEngine(cfg, runner, store=store, load_mode=load_mode, pipeline=pipeline,
-                        keep_records=True)
+                        keep_records=True, recovery=recovery)
     engines.append(engine)
     return engine, runner, pipeline
 
 
-def preempted_owner_run(policy: str) -> tuple[VllmEngine, TorchModelRunner, MetricsPipeline]:
+def preempted_owner_run(policy: str, recovery: str = "vllm"
+                        ) -> tuple[VllmEngine, TorchModelRunner, MetricsPipeline]:
     """a's sync load of 48 tokens fails at block #1; x's growth preempts a at once."""
     engine, runner, pipeline = torch_engine(
-        policy, 7, FaultPlan(scripted=(ScriptedFailure(1, request_id="a"),)))
+        policy, 7, FaultPlan(scripted=(ScriptedFailure(1, request_id="a"),)),
+        recovery=recovery)
     engine.add_request(Request("w", ExplicitTokens(PROMPT), 1))  # puts real KV in the store
     engine.run()
     assert engine.scheduler.reset_prefix_cache()  # so that a's hit is external
@@ -106,3 +109,62 @@ def test_recovery_without_preemption_reads_no_stale_kv(policy: str) -> None:
     assert pipeline.totals.get(cat.PREEMPTIONS) == 0
     assert runner.findings == []
     assert pipeline.totals.get(cat.KV_VERIFIED_TOKENS) > 0
+
+
+def test_the_protective_mode_evicts_the_failed_block_and_nobody_reads_it() -> None:
+    """Same run with KVMETRICS_RECOVERY=evict on vLLM's real scheduler: a's blocks from
+    the failed one on leave the prefix cache, so neither a (re-admitted) nor c reads
+    them; both finish normally over verified KV."""
+    engine, runner, pipeline = preempted_owner_run("recompute", recovery="evict")
+    assert engine.scheduler.kvmetrics_recovery == "evict"
+    assert runner.findings == []
+    assert engine.outcome("a")[0] == engine.outcome("c")[0] == "length"
+    assert pipeline.totals.get(cat.KV_VERIFIED_TOKENS) > 0
+    # At least a's blocks #1..#3 (its loads of block #1 fail every time it is admitted).
+    assert pipeline.totals.get(cat.EVICTED_BLOCKS, cause="kv_load_failure") >= 3
+
+
+def test_the_protective_mode_is_opt_in_through_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmetrics.integrations.vllm import builder
+
+    cfg = SchedulerConfig(block_size=16, num_gpu_blocks=16, kv_load_failure_policy="recompute")
+    plain = builder.build_scheduler(cfg, scheduler_cls=builder.INSTRUMENTED,
+                                    kvmetrics_settings={"export": False})
+    assert plain.kvmetrics_recovery == "vllm"  # observing never changes vLLM's decisions
+    monkeypatch.setenv("KVMETRICS_RECOVERY", "evict")
+    protected = builder.build_scheduler(cfg, scheduler_cls=builder.INSTRUMENTED_ASYNC,
+                                        kvmetrics_settings={"export": False})
+    assert protected.kvmetrics_recovery == "evict"
+    monkeypatch.setenv("KVMETRICS_RECOVERY", "evcit")
+    with pytest.raises(ValueError, match="KVMETRICS_RECOVERY must be one of vllm, evict, "
+                                         "got 'evcit'"):
+        builder.build_scheduler(cfg, scheduler_cls=builder.INSTRUMENTED,
+                                kvmetrics_settings={"export": False})
+    for sched in (plain, protected):
+        sched.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_vllms_own_path_reads_stale_kv_and_the_protective_mode_does_not(
+        async_scheduling: bool) -> None:
+    """A faulty, memory-tight lab run on vLLM's real scheduler with every read verified:
+    vLLM's recovery path lets requests read KV that was never loaded (or was computed
+    over it); with its protective mode on, the same workload reads none."""
+    from kvmetrics.lab.config import LabConfig
+    from kvmetrics.lab.runner import run_lab
+
+    def run(recovery: str) -> dict:
+        return run_lab(LabConfig(engine="vllm", workload="chat", max_requests=60,
+                                 num_gpu_blocks=60, fault_rate=0.3, abort_rate=0.2,
+                                 long_prefill_token_threshold=32, seed=4,
+                                 async_scheduling=async_scheduling, recovery=recovery,
+                                 progress=False)).summary
+
+    faithful, fixed = run("vllm"), run("evict")
+    assert faithful["verification"]["failures"] > 0
+    assert fixed["verification"]["failures"] == 0
+    assert fixed["verification"]["verified_tokens"] > 0
+    done = fixed["requests"]
+    assert done["finished"] + done["aborted"] + done["failed"] == done["submitted"] == 60
+    assert fixed["evicted_blocks"]["kv_load_failure"] > 0
