@@ -279,3 +279,23 @@ def test_a_chunk_limit_applies_only_while_others_wait() -> None:
     pair.add(make_request("a", token_range(0, 64), max_tokens=1),
              make_request("b", token_range(500, 64), max_tokens=1))
     assert pair.step().num_scheduled_tokens == {"a": 16, "b": 16}
+
+
+def test_a_request_aborted_while_its_failing_step_runs_leaves_the_block_hashed() -> None:
+    """docs/vllm-defects.md ``aborted-owner-keeps-failed-block``: r is aborted after
+    step 1 (its sync load) was scheduled and before its output is processed, which
+    under async scheduling is where every abort lands. The recovery path only scans
+    requests still scheduled, so with vLLM's path the failed block stays hashed, under
+    ``fail`` too; the fix evicts r's blocks from the failed one on."""
+    for recovery, hashed in (("vllm", True), ("evict", False)):
+        bench = Bench(config(async_scheduling=True, kv_load_failure_policy="fail",
+                             recovery=recovery), store_blocks=64, faults=fail_block(1, "r"))
+        preload(bench.store, block_hashes(PROMPT)[:3])
+        r = make_request("r", PROMPT, max_tokens=4)
+        bench.add(r)
+        out = bench.step()
+        failed = out.loads[0].block_ids[1]
+        assert bench.scheduler.abort("r")
+        bench.step()  # step 1's output: the load of block #1 failed
+        assert (bench.scheduler.pool.blocks[failed].block_hash is not None) is hashed
+        assert bench.scheduler.finished_in_flight == {}

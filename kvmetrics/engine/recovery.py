@@ -51,9 +51,14 @@ def handle_invalid_blocks(
     async_reqs = [r for r in sched.kv_holding if r.status is RequestStatus.WAITING_FOR_REMOTE_KV]
     async_ids, _ = _truncate(sched, async_reqs, invalid, num_scheduled, "async", events)
     sync_ids, to_evict = _truncate(sched, sched.running, invalid, num_scheduled, "sync", events)
+    evict = sched.config.recovery == "evict"
+    if evict:
+        to_evict |= _blocks_of_gone_readers(sched, invalid)
     if not async_ids and not sync_ids:
+        if to_evict:
+            sched.pool.evict_blocks(to_evict)
         return set()
-    if to_evict and (sched.policy == "fail" or sched.config.recovery == "evict"):
+    if to_evict and (sched.policy == "fail" or evict):
         sched.pool.evict_blocks(to_evict)
     action = "failed" if sched.policy == "fail" else "rescheduled"
     for rid in sorted(async_ids):
@@ -126,6 +131,19 @@ def _truncate(
         if sched.historical:
             request.num_external_computed_tokens -= before - after
     return affected, to_evict
+
+
+def _blocks_of_gone_readers(sched: Scheduler, invalid: set[int]) -> set[int]:
+    """Blocks of requests that were aborted while the failing step ran, from their
+    first failed block on: vLLM's path only looks at requests still scheduled, so
+    under both policies these stay hashed with KV that was never loaded, or was
+    computed over it (docs/vllm-defects.md, ``aborted-owner-keeps-failed-block``)."""
+    blocks: set[int] = set()
+    for _, block_ids in sched.finished_in_flight.values():
+        first = next((i for i, b in enumerate(block_ids) if b in invalid), None)
+        if first is not None:
+            blocks.update(block_ids[first:])
+    return blocks
 
 
 def _rehash_from(sched: Scheduler, request_id: str, first: int, claimed: set[int]) -> None:

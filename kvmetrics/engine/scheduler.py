@@ -71,6 +71,10 @@ class Scheduler:
         self.sched_step_seq = 0
         self.processed_step_seq = 0
         self.deferred_frees: deque[tuple[int, list[KVBlock]]] = deque()
+        #: ``recovery="evict"``: block tables of requests that finished (an abort)
+        #: while steps of theirs were still running, with those steps' tokens: a load
+        #: such a step made may still be reported failed, with nobody left to evict it.
+        self.finished_in_flight: dict[str, list] = {}
         self._finished_since_schedule: set[str] = set()
         self._events = StepEvents(step=1)
         self._ready: list[StepEvents] = []
@@ -312,6 +316,9 @@ class Scheduler:
         self.finished_recving.discard(rid)
         self.failed_recving.discard(rid)
         self.inflight_prefills.pop(rid, None)
+        if request.num_in_flight_tokens > 0 and self.config.recovery == "evict":
+            self.finished_in_flight[rid] = [request.num_in_flight_tokens,
+                                            list(self.kv.block_ids(rid))]
         # A transfer still in flight may write into the blocks: keep them until the
         # runner reports the load finished (as vLLM does), or a reallocated block
         # could be overwritten under another request.

@@ -41,6 +41,11 @@ def process_output(sched: Scheduler, out: SchedulerOutput, result: ModelRunnerOu
 
     for scheduled in out.scheduled:
         rid = scheduled.request_id
+        gone = sched.finished_in_flight.get(rid)
+        if gone is not None:
+            gone[0] -= scheduled.num_scheduled_tokens
+            if gone[0] <= 0:
+                del sched.finished_in_flight[rid]
         request = sched.requests.get(rid)
         stale = False
         if request is not None:

@@ -361,6 +361,28 @@ def async_rollback_in_flight() -> tuple[bool, str]:
     return bool(kept) or leftover > 0, detail
 
 
+def aborted_owner_keeps_failed_block() -> tuple[bool, str]:
+    b = bench("fail")  # vLLM's default policy
+    b.add("a", P, offer=48)
+    out = b.sched.schedule()
+    failed = b.blocks("a")[1]
+    step = b.execute(out)
+    # The client goes away while the step runs: EngineCore applies aborts right
+    # before update_from_output, so the failure is processed with a already gone.
+    b.sched.finish_requests("a", _status("FINISHED_ABORTED"))
+    b.update(step, invalid={failed})
+    still_hashed = b.hashed(failed)
+    b.add("c", P)
+    hit, blocks = _hit(b, b.sched.schedule(), "c")
+    reads = failed in blocks
+    detail = (f"a is aborted while the step of its sync load runs; the load of its block "
+              f"#1 ({failed}) fails; nobody still scheduled holds that block, so it is "
+              f"{'still' if still_hashed else 'no longer'} hashed, and c (same prompt) "
+              f"gets a {hit}-token local hit that {'includes' if reads else 'stops before'} "
+              f"it")
+    return still_hashed and reads, detail
+
+
 def _status(name: str) -> Any:
     from vllm.v1.request import RequestStatus
 
@@ -386,6 +408,12 @@ DEFECTS: tuple[Defect, ...] = (
            "in-flight prefill, so its own reservation keeps it (and everything queued "
            "behind it) from being admitted again",
            ("vllm-project/vllm#48433", "vllm-project/vllm#57841"), async_load_stall),
+    Defect("aborted-owner-keeps-failed-block",
+           "either policy (fail is vLLM's default): a request aborted while the step of "
+           "its sync load runs is no longer scanned when the load is reported failed, "
+           "so nothing evicts the failed block and the next request with that prefix "
+           "reads it",
+           (), aborted_owner_keeps_failed_block),
     Defect("async-rollback-in-flight",
            "async scheduling: the rollback leaves the request's output placeholders and "
            "keeps the output of the step already scheduled over the failed block",

@@ -1,7 +1,7 @@
 """A protective recovery path for vLLM's real scheduler: opt-in, off by default.
 
 ``KVMETRICS_RECOVERY=evict`` (or ``--additional-config '{"kvmetrics":
-{"recovery": "evict"}}'``) makes the instrumented scheduler fix the five
+{"recovery": "evict"}}'``) makes the instrumented scheduler fix the
 recovery-path defects of vLLM 0.33 that ``kvmetrics vllm-check`` reports
 (docs/vllm-defects.md), with the same rules as the reference engine's
 ``recovery="evict"``, ``async_admission="live"`` and ``async_rollback="drop"``:
@@ -17,7 +17,11 @@ recovery-path defects of vLLM 0.33 that ``kvmetrics vllm-check`` reports
 - a step the rolled-back request has in flight (async scheduling) has its output
   discarded and its placeholders cleared, as a preemption does;
 - a request whose async load failed in every block leaves the in-flight prefills
-  and the queue of block holders, so its own reservation can no longer stall it.
+  and the queue of block holders, so its own reservation can no longer stall it;
+- a request aborted while a step of it still runs keeps its block table on record
+  until that step's output is processed, so that if its load failed its blocks
+  from the failed one on are evicted too (vLLM only looks at requests still
+  scheduled, under either policy).
 
 With the setting off (the default) every override calls vLLM's method and
 nothing else: observing never changes vLLM's decisions unless asked to.
@@ -55,6 +59,8 @@ class ProtectMixin:
         self.kvmetrics_recovery = recovery_setting(me.vllm_config)
         self._protect_evict: set[int] = set()
         self._protect_emptied: Any = None
+        #: Requests that finished with steps in flight: [tokens in flight, block ids].
+        self._protect_gone: dict[str, list[Any]] = {}
         if self.kvmetrics_recovery == "evict":
             # Fail at startup, not at the first failed load, if vLLM's internals moved.
             managers = me.kv_cache_manager.coordinator.single_type_managers
@@ -120,8 +126,40 @@ class ProtectMixin:
             # Under "fail" vLLM evicts them itself; under "recompute" it would not.
             if self._protect_evict and me.recompute_kv_load_failures:
                 me.kv_cache_manager.evict_blocks(self._protect_evict)
+            gone: set[int] = set()
+            for _, block_ids in self._protect_gone.values():
+                first = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids),
+                             None)
+                if first is not None:
+                    gone.update(block_ids[first:])
+            if gone:
+                me.kv_cache_manager.evict_blocks(gone)
         finally:
             self._protect_evict = set()
+        return result
+
+    # -- requests that end while a step of theirs still runs ---------------------------
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.kvmetrics_protecting and request.num_in_flight_tokens > 0:
+            me: Any = self
+            (block_ids,) = me.kv_cache_manager.get_block_ids(request.request_id)
+            self._protect_gone[request.request_id] = [request.num_in_flight_tokens,
+                                                      list(block_ids)]
+        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        # Records made while this output is processed already left its tokens out.
+        recorded = list(self._protect_gone)
+        result = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for rid in recorded:
+            record = self._protect_gone.get(rid)
+            if record is not None and rid in scheduled:
+                record[0] -= scheduled[rid]
+                if record[0] <= 0:
+                    del self._protect_gone[rid]
         return result
 
     # -- async loads that failed in every block ----------------------------------------
