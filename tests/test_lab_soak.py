@@ -40,13 +40,21 @@ def test_soak_command() -> None:
     assert bad.returncode == 2 and "unknown engine 'tpu'" in bad.stderr
 
 
+#: Soak seeds whose scenario reads stale KV through vLLM's own recovery path, and the
+#: defect of docs/vllm-defects.md whose patch removes it (docs/vllm.md, "Soak").
+KNOWN_STALE_SEEDS = {37: "chunked-recompute-sharer", 43: "recompute-keeps-failed-block"}
+
+
 def test_verified_soak_finds_vllms_stale_reads_and_the_evicting_recovery_fixes_them() -> None:
-    # Seed 66: policy recompute, mixed loads, preemption and aborts (docs/vllm.md).
-    faithful = soak(1, verify="full", seed=66)
-    assert faithful.verification_failed_blocks > 0
-    assert faithful.invariant_violations == faithful.guard_rejected_increments == 0
-    fixed = soak(12, verify="full", seed=60, recovery="evict")
-    assert fixed.as_dict()["failing_seeds"] == []
+    for seed in KNOWN_STALE_SEEDS:
+        for engine in ("reference", "vllm"):
+            faithful = soak(1, (engine,), verify="full", seed=seed)
+            assert faithful.verification_failed_blocks > 0, (engine, seed)
+            assert faithful.invariant_violations == faithful.guard_rejected_increments == 0
+            fixed = soak(1, (engine,), verify="full", seed=seed, recovery="evict")
+            assert fixed.as_dict()["failing_seeds"] == [], (engine, seed)
+    wider = soak(12, verify="full", seed=60, recovery="evict")
+    assert wider.as_dict()["failing_seeds"] == []
 
 
 # -- exit code: non-zero on a crash or a finding, in every accounting mode ------------------
@@ -54,7 +62,7 @@ def test_verified_soak_finds_vllms_stale_reads_and_the_evicting_recovery_fixes_t
 
 @pytest.mark.parametrize("accounting", ["unified", "historical"])
 def test_soak_exits_1_when_the_verifier_finds_stale_kv(accounting: str) -> None:
-    result = run_cli("soak", "--scenarios", "1", "--seed", "66", "--accounting", accounting,
+    result = run_cli("soak", "--scenarios", "1", "--seed", "43", "--accounting", accounting,
                      "--json")
     assert result.returncode == 1, result.stderr
     assert json.loads(result.stdout)["verification_failed_blocks"] > 0
@@ -103,12 +111,12 @@ def test_soak_exits_1_when_a_scenario_crashes(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_jobs_2_prints_the_same_report_as_jobs_1() -> None:
-    # Seeds 60..75 include 66, so the failures list is not empty.
-    runs = [run_cli("soak", "--scenarios", "16", "--seed", "60", "--jobs", jobs, "--json")
+    # Seeds 40..55 include 43, so the failures list is not empty.
+    runs = [run_cli("soak", "--scenarios", "16", "--seed", "40", "--jobs", jobs, "--json")
             for jobs in ("1", "2")]
     one, two = (json.loads(r.stdout) for r in runs)
     assert [r.returncode for r in runs] == [1, 1]
-    assert one["failing_seeds"] == ["reference:66"]
+    assert one["failing_seeds"] == ["reference:43"]
     assert _without_wall(one) == _without_wall(two)
 
 
@@ -122,9 +130,9 @@ def test_shards_partition_the_seed_range() -> None:
 
 
 def test_merged_shards_equal_the_whole_campaign(tmp_path: Path) -> None:
-    whole = soak(14, verify="full", seed=60)
-    assert whole.failures  # seed 66
-    shards = [soak(14, verify="full", seed=60, shard=Shard(i, 3)) for i in range(3)]
+    whole = soak(14, verify="full", seed=37)
+    assert whole.failures  # seeds 37 and 43
+    shards = [soak(14, verify="full", seed=37, shard=Shard(i, 3)) for i in range(3)]
     assert sum(len(s.failures) for s in shards) == len(whole.failures)
     merged = merge_reports([SoakReport.from_dict(s.as_dict()) for s in reversed(shards)])
     assert _without_wall(merged.as_dict()) == _without_wall(whole.as_dict())
@@ -135,7 +143,7 @@ def test_merged_shards_equal_the_whole_campaign(tmp_path: Path) -> None:
         path.write_text(json.dumps(s.as_dict()))
         files.append(str(path))
     result = run_cli("soak-merge", "--json", *files)
-    assert result.returncode == 1  # seed 66's stale reads make the campaign fail
+    assert result.returncode == 1  # the stale reads of seeds 37 and 43 fail the campaign
     assert _without_wall(json.loads(result.stdout)) == _without_wall(whole.as_dict())
 
 

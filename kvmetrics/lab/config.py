@@ -62,6 +62,9 @@ class LabConfig:
     realtime: bool = False
     #: Probability that a request is aborted some steps after it arrives.
     abort_rate: float = 0.0
+    #: An aborted request goes 1..N steps after its arrival (small N: right after
+    #: its admission, when a load it made may just have failed).
+    abort_within_steps: int = 40
     serve: str | None = None
     linger: float = 0.0
     #: With ``serve``: start the run only once the endpoint has been scraped (waiting at
@@ -87,7 +90,7 @@ class LabConfig:
         _choice("verify mode", self.verify, VERIFY_MODES)
         _choice("device", self.device, DEVICES)
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "kv_dim"):
+                     "kv_dim", "abort_within_steps"):
             _positive(name, getattr(self, name))
         if self.num_gpu_blocks < 2:
             raise LabError("--num-gpu-blocks must be at least 2 (block 0 is reserved)")

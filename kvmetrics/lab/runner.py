@@ -119,7 +119,7 @@ def fault_plan(cfg: LabConfig) -> FaultPlan:
 def _abort_schedule(cfg: LabConfig, items: list[WorkItem]) -> dict[str, int]:
     """Steps after arrival at which chosen requests are aborted (deterministic)."""
     rng = random.Random(cfg.seed ^ 0xAB0)
-    return {item.request_id: rng.randint(1, 40) for item in items
+    return {item.request_id: rng.randint(1, cfg.abort_within_steps) for item in items
             if rng.random() < cfg.abort_rate}
 
 

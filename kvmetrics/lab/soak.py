@@ -40,28 +40,50 @@ __all__ = ["Campaign", "ScenarioOutcome", "Shard", "SoakReport", "SoakReportErro
 
 def scenario_config(seed: int, engine: str, accounting: str, verify: str,
                     recovery: str = "vllm") -> LabConfig:
-    """A random but reproducible scenario: small enough to run in a fraction of a second."""
+    """A random but reproducible scenario: small enough to run in a fraction of a second.
+
+    It covers what the recovery-path defects need (docs/vllm-defects.md): preemption
+    pressure, failed sync and async loads, aborts right after admission, chunked
+    recomputes, bursts of requests sharing freshly loaded blocks, and both lockstep
+    and async scheduling. ``recovery`` applies to every engine (on vLLM: its
+    scheduler's protective mode).
+    """
     rng = random.Random(seed)
-    block_size = rng.choice((4, 8, 16))
+    block_size = rng.choice((8, 16, 16))
     return LabConfig(
         engine=engine,
-        workload=rng.choice(("chat", "agent", "rag", "random", "mixed")),
-        max_requests=rng.randint(8, 40),
+        # Workloads that share prefixes: rag and agent share system prompts and
+        # documents, chat resends its history; a burst of them shares blocks freshly
+        # loaded in the same step.
+        workload=rng.choice(("chat", "agent", "rag", "mixed")),
+        max_requests=rng.randint(10, 40),
         block_size=block_size,
-        # From "barely fits the longest request" to roomy: preemption pressure varies.
-        num_gpu_blocks=rng.choice((1, 2, 4)) * (2048 // block_size) + 2,
-        max_num_seqs=rng.choice((2, 8, 32)),
+        # Around "barely fits the longest request": evictions make later requests load
+        # their prefixes from the store, and decodes preempt.
+        num_gpu_blocks=int(rng.choice((0.75, 1, 1, 1.5)) * (2048 // block_size)) + 2,
+        max_num_seqs=rng.choice((4, 8, 32)),
         max_num_batched_tokens=rng.choice((64, 256, 1024)),
-        fault_rate=rng.choice((0.0, 0.05, 0.2, 0.5)),
+        fault_rate=rng.choice((0.1, 0.3, 0.5)),
         fault_mode=rng.choice(("sync", "async", "mixed")),
         policy=rng.choice(("recompute", "fail")),
         accounting=accounting,
         recovery=recovery,
-        store_blocks=rng.choice((0, 64, 1024)),
-        abort_rate=rng.choice((0.0, 0.1)),
+        store_blocks=rng.choice((0, 512, 2048, 2048, 2048)),
+        abort_rate=rng.choice((0.0, 0.2, 0.4)),
+        # Aborts right after admission, when the request's load may just have failed.
+        abort_within_steps=rng.choice((2, 40)),
         verify=verify,
         seed=seed,
         progress=False,
+        # vLLM's async scheduling (its default on GPUs) half the time.
+        async_scheduling=rng.random() < 0.5,
+        # Chunked recomputes: below a block, the recompute of a failed block spans
+        # steps and its sharers meet it part-way.
+        long_prefill_token_threshold=rng.choice((0, 0, block_size // 2, 2 * block_size)),
+        # Bursts of arrivals per step: same-step sharers of freshly loaded blocks.
+        step_seconds=rng.choice((0.02, 0.1)),
+        # vLLM's admission gate on the whole prompt (its default) or the first chunk.
+        reserve_full_prompt=rng.random() < 0.5,
     )
 
 
