@@ -180,8 +180,8 @@ def test_request_level_async_failure_counts_every_block_of_its_load_failed() -> 
     execute = run.engine.adapter.execute
     failed_once: set[str] = set()
 
-    def fail_whole_request(out: object, scheduler: object):
-        record = execute(out, scheduler)
+    def fail_whole_request(out: object, scheduler: object, *rest: object):
+        record = execute(out, scheduler, *rest)
         kv_out = record.vllm_result.kv_connector_output
         if kv_out is not None and kv_out.finished_recving and not failed_once:
             failed_once.update(kv_out.finished_recving)

@@ -162,8 +162,8 @@ def test_vllms_own_path_reads_stale_kv_and_the_protective_mode_does_not(
                                  progress=False)).summary
 
     faithful, fixed = run("vllm"), run("evict")
-    assert faithful["verification"]["failures"] > 0
-    assert fixed["verification"]["failures"] == 0
+    assert faithful["verification"]["failed_blocks"] > 0
+    assert fixed["verification"]["failed_blocks"] == 0
     assert fixed["verification"]["verified_tokens"] > 0
     done = fixed["requests"]
     assert done["finished"] + done["aborted"] + done["failed"] == done["submitted"] == 60

@@ -25,9 +25,20 @@ def _add(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # vLLM logs every recovery it runs; the canaries make it recover on purpose.
+    loggers = [logging.getLogger(name) for name in ("vllm", "kvmetrics")]
+    levels = [logger.level for logger in loggers]
     if not args.verbose:
-        for name in ("vllm", "kvmetrics"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
+        for logger in loggers:
+            logger.setLevel(logging.CRITICAL)
+    try:
+        return _check(args)
+    finally:  # an in-process caller keeps its logging
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _check(args: argparse.Namespace) -> int:
     try:
         from kvmetrics.integrations.vllm import canaries
     except ImportError as e:

@@ -19,8 +19,8 @@ from kvmetrics.lab.config import LabConfig
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.totals import Totals
 
-DOCS_STALE = "docs/vllm.md#finding-in-vllm-stale-kv-after-a-failed-load-under-recompute"
-DOCS_SHARERS = "docs/vllm.md#same-step-sharers-of-a-failed-block"
+DOCS_STALE = "docs/vllm-defects.md#recompute-keeps-failed-block"
+DOCS_SHARERS = "docs/vllm-defects.md#fail-sharer-blocks-hashed"
 #: Examples kept per group of violations; the counts are always exact.
 EXAMPLES_PER_GROUP = 3
 
@@ -46,6 +46,14 @@ SHARER_BLOCKS = Cause(
     "its own new blocks, computed over the poisoned KV, hashed in the prefix cache "
     "(under policy fail only the owner's blocks are evicted)",
     DOCS_SHARERS, "--recovery evict")
+DOCS_BEFORE_RECOMPUTE = "docs/vllm-defects.md#chunked-recompute-sharer"
+READ_BEFORE_RECOMPUTE = Cause(
+    "read_before_recompute", True,
+    "a failed block (or a block computed over it in the step it failed) was read while "
+    "the request that must recompute it, still running, had not done so yet (a chunked "
+    "recompute, or a full step): the block stayed hashed under recompute, or the reader "
+    "shared it and kept counting it, and what it computed over it, as valid",
+    DOCS_BEFORE_RECOMPUTE, "--recovery evict")
 POISONED_SAVE = Cause(
     "poisoned_save", True,
     "KV computed over a failed block was saved to the external store and loaded back "
@@ -77,7 +85,7 @@ def _fate_text(fates: Sequence[Any], owner: str, aborted: dict[str, int]) -> str
     return ", then ".join(parts)
 
 
-def classify(attribution: Any, policy: str) -> Cause:
+def classify(attribution: Any, policy: str, reader: str | None = None) -> Cause:
     taint = attribution.taint
     if taint is None:
         return UNKNOWN
@@ -89,6 +97,11 @@ def classify(attribution: Any, policy: str) -> Cause:
         return STALE_FAILED_BLOCK
     if taint.kind == "discarded_read" and not own_tail and (policy == "fail" or left):
         return SHARER_BLOCKS
+    # Read by someone else, or by a sharer over whose own blocks it was computed.
+    other = reader not in (None, taint.request_id)
+    if not left and (taint.kind == "failed_load" and other
+                     or taint.kind == "discarded_read" and (other or not own_tail)):
+        return READ_BEFORE_RECOMPUTE
     return UNKNOWN
 
 
@@ -121,7 +134,8 @@ def explain_findings(cfg: LabConfig, findings: Sequence[Any], attributions: Sequ
     groups: dict[str, _Group] = {}
     for i, finding in enumerate(findings):
         attribution = attributions[i] if i < len(attributions) else None
-        cause = classify(attribution, cfg.policy) if attribution is not None else UNKNOWN
+        cause = (classify(attribution, cfg.policy, finding.request_id)
+                 if attribution is not None else UNKNOWN)
         group = groups.setdefault(cause.key, _Group(cause))
         group.failed_blocks += 1
         group.requests.add(finding.request_id)
@@ -135,7 +149,7 @@ def explain_findings(cfg: LabConfig, findings: Sequence[Any], attributions: Sequ
         c = group.cause
         avoid = c.avoid
         if avoid == "--recovery evict" and cfg.engine != "reference":
-            avoid = "--recovery evict on the reference engine; on vLLM see " + (c.docs or "")
+            avoid = "--recovery evict (in a deployment: KVMETRICS_RECOVERY=evict)"
         causes.append({"cause": c.key, "known": c.known, "explanation": c.text,
                        "failed_blocks": group.failed_blocks, "requests": len(group.requests),
                        "blocks": len(group.blocks), "first_step": group.first_step,

@@ -126,7 +126,7 @@ class InstrumentedMixin:
     def _kv_vllm_base(self) -> type:
         """vLLM's scheduler class under this mixin (whose methods are the ones hooked)."""
         mro = type(self).__mro__
-        return mro[mro.index(InstrumentedMixin) + 1]
+        return next(c for c in mro[mro.index(InstrumentedMixin) + 1:] if c is not ProtectMixin)
 
     def _kv_check_hooks(self) -> None:
         try:
