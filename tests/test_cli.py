@@ -20,7 +20,8 @@ NAMES = [c.name for c in COMMANDS]
 
 
 def test_the_commands() -> None:
-    assert NAMES == ["run", "report", "soak", "soak-merge", "workloads", "catalogue"]
+    assert NAMES == ["run", "report", "soak", "soak-merge", "workloads", "catalogue",
+                     "vllm-check"]
     top = run_cli("--help")
     assert top.returncode == 0
     for name in NAMES:

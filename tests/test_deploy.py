@@ -231,7 +231,10 @@ def test_soak_job_shards_cover_the_campaign(tmp_path: Path) -> None:
     # Run the pods' commands for a small campaign: same shard count, fewer scenarios.
     count = spec["completions"]
     small = [a if not a.startswith("--scenarios=") else "--scenarios=10" for a in args]
-    small = [a for a in small if not a.startswith("--jobs=")] + ["--verify=off"]
+    # With the fix: vLLM's own recovery path can stall for good (docs/vllm-defects.md,
+    # async-load-stall), which the soak rightly reports; the shards are what is tested.
+    small = [a for a in small if not a.startswith("--jobs=")] + ["--verify=off",
+                                                                 "--recovery=evict"]
     files = []
     for index in range(count):
         argv = [a.replace("$(SHARD_INDEX)", str(index)) for a in small]

@@ -8,6 +8,7 @@ POLICIES = ("recompute", "fail")
 ACCOUNTINGS = ("unified", "historical")
 ASYNC_ADMISSIONS = ("live", "vllm")
 ASYNC_ROLLBACKS = ("drop", "vllm")
+ASYNC_CACHINGS = ("in_flight", "placeholders")
 RECOVERIES = ("vllm", "evict")
 
 
@@ -72,6 +73,11 @@ class SchedulerConfig:
     #: preemption does. ``vllm``: vLLM 0.33, which keeps both (upstream #45138): the
     #: request runs one token ahead and keeps a token sampled over the failed block.
     async_rollback: str = "drop"
+    #: Under async scheduling blocks are cached once an output is known, up to the
+    #: computed tokens less those ``in_flight`` (vLLM 0.33) or less the request's
+    #: outstanding ``placeholders`` (vLLM 0.32). The two differ only while a
+    #: placeholder outlives its step (vLLM's rollback defect).
+    async_caching: str = "in_flight"
     #: vLLM's ``scheduler_reserve_full_isl`` (on by default): a waiting request is
     #: admitted only if blocks for all its known tokens fit, not just its first chunk.
     reserve_full_prompt: bool = True
@@ -96,6 +102,9 @@ class SchedulerConfig:
         if self.async_rollback not in ASYNC_ROLLBACKS:
             raise ConfigError(f"async_rollback must be one of {ASYNC_ROLLBACKS}, "
                               f"got {self.async_rollback!r}")
+        if self.async_caching not in ASYNC_CACHINGS:
+            raise ConfigError(f"async_caching must be one of {ASYNC_CACHINGS}, "
+                              f"got {self.async_caching!r}")
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0, "

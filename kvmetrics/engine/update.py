@@ -111,8 +111,9 @@ def _take_tokens(sched: Scheduler, request: Request, new_tokens: list[int], stal
         request.num_output_placeholders -= len(new_tokens)
     if not stale and was_running and had_placeholders:
         # Under async scheduling blocks are cached once the tokens they hold are known.
-        sched.kv.cache_blocks(request,
-                              request.num_computed_tokens - request.num_in_flight_tokens)
+        ahead = (request.num_in_flight_tokens if sched.config.async_caching == "in_flight"
+                 else request.num_output_placeholders)
+        sched.kv.cache_blocks(request, request.num_computed_tokens - ahead)
     if status is not None:
         sched.finish(request, status)
 

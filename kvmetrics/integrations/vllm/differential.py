@@ -28,14 +28,25 @@ from kvmetrics.engine.tokens import ExplicitTokens
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
 
+def installed_async_caching() -> str:
+    """Where the installed vLLM's AsyncScheduler caches blocks after an output."""
+    import vllm
+
+    parts = str(getattr(vllm, "__version__", "")).split(".")
+    older = len(parts) > 1 and parts[0] == "0" and parts[1].isdigit() and int(parts[1]) <= 32
+    return "placeholders" if older else "in_flight"
+
+
 def vllm_faithful(config: SchedulerConfig) -> SchedulerConfig:
-    """The reference engine as vLLM 0.33 is, its recovery-path defects included."""
-    return replace(config, recovery="vllm", async_admission="vllm", async_rollback="vllm")
+    """The reference engine as the installed vLLM is, its recovery-path defects included."""
+    return replace(config, recovery="vllm", async_admission="vllm", async_rollback="vllm",
+                   async_caching=installed_async_caching())
 
 
 def kvmetrics_fix(config: SchedulerConfig) -> SchedulerConfig:
     """The complete fix, on the reference engine as on vLLM's protective mode."""
-    return replace(config, recovery="evict", async_admission="live", async_rollback="drop")
+    return replace(config, recovery="evict", async_admission="live", async_rollback="drop",
+                   async_caching=installed_async_caching())
 
 
 def vllm_recovery(config: SchedulerConfig) -> str:
