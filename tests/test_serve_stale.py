@@ -20,8 +20,13 @@ run again with a load that does not fail. X's output is compared with X alone: t
 poison reaches only the request that reads the block (it is finite noise; NaN
 leaked into X through masked attention slots, see kvmetrics/integrations/vllm/faults.py).
 
-Measured on the 2-core CI kind of machine: the server starts in 45-60 s; the module
-takes about 70 s.
+The same sequence runs again on a second server with the protective recovery
+(``KVMETRICS_RECOVERY=evict``): A's blocks from the failed one on leave the prefix
+cache at the rollback, so A's second admission hits only its first block locally,
+loads the rest again through the connector, and its output equals the fault-free one.
+
+Measured on the 2-core CI kind of machine: each server starts in 45-60 s; the module
+takes about 150 s.
 """
 
 from __future__ import annotations
@@ -51,9 +56,7 @@ def x_prompt(k: int) -> list[int]:
     return greedy_prompts(1, seed=100 + k, lengths=(256,))[0]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    work = tmp_path_factory.mktemp("serve-stale")
+def stale_server(work, env: dict[str, str]) -> VllmServer:
     kv_transfer = {
         "kv_connector": "FaultInjectingConnector",
         "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
@@ -65,8 +68,20 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     }
     # 13 blocks = the null block + 12: exactly X's 8 and A's 4.
     spec = ServerSpec(kv_transfer=kv_transfer, num_gpu_blocks=13, max_model_len=320,
-                      extra_args=["--max-num-batched-tokens", "512"])
-    with VllmServer(spec, work) as s:
+                      extra_args=["--max-num-batched-tokens", "512"], env=env)
+    return VllmServer(spec, work)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    with stale_server(tmp_path_factory.mktemp("serve-stale"), {}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def protected_server(tmp_path_factory: pytest.TempPathFactory):
+    work = tmp_path_factory.mktemp("serve-stale-evict")
+    with stale_server(work, {"KVMETRICS_RECOVERY": "evict"}) as s:
         yield s
 
 
@@ -120,3 +135,30 @@ def test_a_preempted_owner_reads_its_failed_block_and_its_output_changes(
     assert status == 200 and output_tokens(body) == faulty["X"]  # X was never touched
     wait_until(lambda: total(server.kvmetrics_metrics(), "kvmetrics_preemptions_total") == 2,
                30, "the clean round's preemption")
+
+
+def test_the_protective_recovery_keeps_the_failed_block_out_of_every_read(
+        protected_server: VllmServer) -> None:
+    server = protected_server
+    status, body = server.complete(A, MAX_TOKENS)
+    assert status == 200
+    fault_free_a = output_tokens(body)
+
+    server.reset_prefix_cache()
+    faulty = queued_together(server, x_prompt(1))
+    log = server.log()
+    assert len(re.findall(r"failing load #1 of request \S+ \(sync\): blocks \[\d+\]", log)) == 1
+    assert len(RECOVERED.findall(log)) == 1  # the same rollback as vLLM's own path
+    page = server.kvmetrics_metrics()
+    assert total(page, "kvmetrics_preemptions_total") == 1
+    assert total(page, "kvmetrics_kv_load_blocks_total", outcome="failed") == 1
+    # A's hashed blocks from the failed one on (its load's #1 and #2; #3 holds 4 tokens
+    # and was never hashed) left the prefix cache at the rollback.
+    assert total(page, "kvmetrics_evicted_blocks_total", cause="kv_load_failure") == 2
+    # A's second admission: only its first block is still a local hit.
+    assert total(page, "kvmetrics_prefix_cache_hit_tokens_total", source="local",
+                 admission="repeat") == 32
+    assert faulty["A"] == fault_free_a, "A read the failed block under the protective mode"
+    server.reset_prefix_cache()
+    status, body = server.complete(x_prompt(1), MAX_TOKENS)
+    assert status == 200 and output_tokens(body) == faulty["X"]

@@ -33,7 +33,24 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvmetrics.integrations.vllm.hooks import Hook, signature_problem
+
 RECOVERIES = ("vllm", "evict")
+
+#: vLLM's scheduler methods the fix overrides, with the leading parameters its
+#: overrides read. Checked at startup when the fix is on; when it is off every
+#: override hands ``*args, **kwargs`` to vLLM untouched, so a changed signature
+#: cannot break a scheduler that only observes.
+PROTECTED: tuple[Hook, ...] = (
+    Hook("scheduler", "_update_requests_with_invalid_blocks",
+         ("requests", "invalid_block_ids", "num_scheduled_tokens", "evict_blocks"), ()),
+    Hook("scheduler", "_handle_invalid_blocks", ("invalid_block_ids", "num_scheduled_tokens"),
+         ()),
+    Hook("scheduler", "_free_request", ("request",), ()),
+    Hook("scheduler", "update_from_output", ("scheduler_output", "model_runner_output"), ()),
+    Hook("scheduler", "_update_waiting_for_remote_kv", ("request",), ()),
+    Hook("scheduler", "_handle_blocked_waiting_request", ("request",), ()),
+)
 
 
 def recovery_setting(vllm_config: Any, env: Mapping[str, str] | None = None) -> str:
@@ -68,6 +85,12 @@ class ProtectMixin:
                     or not hasattr(me, "_inflight_prefills"):
                 raise RuntimeError("KVMETRICS_RECOVERY=evict supports one KV cache group on "
                                    "vLLM's 0.33 scheduler internals only")
+            base = _vllm_base(type(self))
+            for hook in PROTECTED:
+                problem = signature_problem(getattr(base, hook.method, None), hook, True)
+                if problem is not None:
+                    raise RuntimeError(f"KVMETRICS_RECOVERY=evict cannot run on this vLLM: "
+                                       f"{hook.name} {problem}")
 
     @property
     def kvmetrics_protecting(self) -> bool:
@@ -75,13 +98,15 @@ class ProtectMixin:
 
     # -- sync and async rollbacks ------------------------------------------------------
 
-    def _update_requests_with_invalid_blocks(
-        self, requests: Iterable[Any], invalid_block_ids: set[int],
-        num_scheduled_tokens: dict[str, int], evict_blocks: bool = True,
-    ) -> tuple[set[str], int, set[int]]:
+    def _update_requests_with_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
         if not self.kvmetrics_protecting:
             return super()._update_requests_with_invalid_blocks(  # type: ignore[misc]
-                requests, invalid_block_ids, num_scheduled_tokens, evict_blocks)
+                *args, **kwargs)
+        return self._protect_rollback(*args, **kwargs)
+
+    def _protect_rollback(self, requests: Iterable[Any], invalid_block_ids: set[int],
+                          num_scheduled_tokens: dict[str, int], evict_blocks: bool = True,
+                          ) -> tuple[set[str], int, set[int]]:
         me: Any = self
         bs = me.block_size
         cached = me.kv_cache_manager.coordinator.single_type_managers[0].num_cached_block
@@ -113,16 +138,14 @@ class ProtectMixin:
             self._protect_evict |= to_evict
         return affected, total, to_evict
 
-    def _handle_invalid_blocks(self, invalid_block_ids: set[int],
-                               num_scheduled_tokens: dict[str, int]) -> set[str]:
+    def _handle_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
         if not self.kvmetrics_protecting:
-            return super()._handle_invalid_blocks(  # type: ignore[misc]
-                invalid_block_ids, num_scheduled_tokens)
+            return super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
+        invalid_block_ids: set[int] = _arg(args, kwargs, 0, "invalid_block_ids")
         me: Any = self
         self._protect_evict = set()
         try:
-            result = super()._handle_invalid_blocks(  # type: ignore[misc]
-                invalid_block_ids, num_scheduled_tokens)
+            result = super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
             # Under "fail" vLLM evicts them itself; under "recompute" it would not.
             if self._protect_evict and me.recompute_kv_load_failures:
                 me.kv_cache_manager.evict_blocks(self._protect_evict)
@@ -140,20 +163,23 @@ class ProtectMixin:
 
     # -- requests that end while a step of theirs still runs ---------------------------
 
-    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.kvmetrics_protecting and request.num_in_flight_tokens > 0:
-            me: Any = self
-            (block_ids,) = me.kv_cache_manager.get_block_ids(request.request_id)
-            self._protect_gone[request.request_id] = [request.num_in_flight_tokens,
-                                                      list(block_ids)]
-        return super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+    def _free_request(self, *args: Any, **kwargs: Any) -> Any:
+        if self.kvmetrics_protecting:
+            request = _arg(args, kwargs, 0, "request")
+            if request.num_in_flight_tokens > 0:
+                me: Any = self
+                (block_ids,) = me.kv_cache_manager.get_block_ids(request.request_id)
+                self._protect_gone[request.request_id] = [request.num_in_flight_tokens,
+                                                          list(block_ids)]
+        return super()._free_request(*args, **kwargs)  # type: ignore[misc]
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.kvmetrics_protecting:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
         # Records made while this output is processed already left its tokens out.
         recorded = list(self._protect_gone)
-        result = super().update_from_output(  # type: ignore[misc]
-            scheduler_output, model_runner_output)
-        scheduled = scheduler_output.num_scheduled_tokens
+        result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        scheduled = _arg(args, kwargs, 0, "scheduler_output").num_scheduled_tokens
         for rid in recorded:
             record = self._protect_gone.get(rid)
             if record is not None and rid in scheduled:
@@ -164,24 +190,42 @@ class ProtectMixin:
 
     # -- async loads that failed in every block ----------------------------------------
 
-    def _update_waiting_for_remote_kv(self, request: Any) -> None:
+    def _update_waiting_for_remote_kv(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.kvmetrics_protecting:
+            return super()._update_waiting_for_remote_kv(*args, **kwargs)  # type: ignore[misc]
         me: Any = self
-        emptied = (self.kvmetrics_protecting
-                   and request.request_id in me.failed_recving_kv_req_ids
+        request = _arg(args, kwargs, 0, "request")
+        emptied = (request.request_id in me.failed_recving_kv_req_ids
                    and not request.num_computed_tokens)
-        super()._update_waiting_for_remote_kv(request)  # type: ignore[misc]
+        result = super()._update_waiting_for_remote_kv(*args, **kwargs)  # type: ignore[misc]
         if emptied:
             me._inflight_prefills.discard(request)
             self._protect_emptied = request
+        return result
 
-    def _handle_blocked_waiting_request(self, request: Any) -> bool:
-        ready = super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+    def _handle_blocked_waiting_request(self, *args: Any, **kwargs: Any) -> Any:
+        ready = super()._handle_blocked_waiting_request(  # type: ignore[misc]
+            *args, **kwargs)
+        if not self.kvmetrics_protecting:
+            return ready
+        request = _arg(args, kwargs, 0, "request")
         if self._protect_emptied is request:
             self._protect_emptied = None
             # It holds no block any more: skipped now, it waits in the plain queue,
             # behind every request that holds blocks.
             return False
         return ready
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    """A parameter of a vLLM method, passed by position or by name."""
+    return args[index] if len(args) > index else kwargs[name]
+
+
+def _vllm_base(cls: type) -> type:
+    """vLLM's scheduler class below this mixin (whose signatures the fix relies on)."""
+    mro = cls.__mro__
+    return mro[mro.index(ProtectMixin) + 1]
 
 
 def _rehash_from(cached: dict[str, int], request_id: str, block_ids: list[int], first: int,
