@@ -70,3 +70,25 @@ def test_on_vllms_own_methods_pass_the_check() -> None:
         for hook in PROTECTED:
             assert signature_problem(getattr(base, hook.method, None), hook, True) is None, (
                 base.__name__, hook.method)
+
+
+def test_the_checked_base_is_vllms_class_even_under_a_users_own_mixin() -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvmetrics.integrations.vllm.hooks import vllm_base
+    from kvmetrics.integrations.vllm.scheduler import (
+        InstrumentedAsyncScheduler,
+        InstrumentedScheduler,
+    )
+
+    class OperatorsMixin:
+        pass
+
+    class Mine(OperatorsMixin, InstrumentedScheduler):
+        pass
+
+    assert vllm_base(InstrumentedScheduler) is Scheduler
+    assert vllm_base(InstrumentedAsyncScheduler) is AsyncScheduler
+    assert vllm_base(Mine) is Scheduler
+    assert vllm_base(Wrapped) is FutureVllm

@@ -74,6 +74,25 @@ HOOKS: tuple[Hook, ...] = (
 BY_NAME: dict[str, Hook] = {hook.name: hook for hook in HOOKS}
 
 
+def argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str,
+             default: Any = None) -> Any:
+    """An overridden method's argument by position or keyword, as vLLM passed it."""
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+def vllm_base(cls: type) -> type:
+    """vLLM's scheduler class under kvmetrics' mixins in ``cls``'s MRO (the first class
+    after them that kvmetrics did not define), whose methods the overrides rely on."""
+    def ours(c: type) -> bool:
+        return c.__module__.startswith("kvmetrics.")
+
+    mro = cls.__mro__
+    first = next(i for i, c in enumerate(mro) if ours(c))
+    return next(c for c in mro[first:] if not ours(c))
+
+
 def owner_class(scheduler: Any, owner: str, base: type) -> type:
     """The class whose method is hooked: vLLM's own scheduler class for scheduler methods
     (``base``, so our overrides are not what gets checked), else the helper object's

@@ -33,7 +33,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvmetrics.integrations.vllm.hooks import Hook, signature_problem
+from kvmetrics.integrations.vllm.hooks import Hook, argument, signature_problem, vllm_base
 
 RECOVERIES = ("vllm", "evict")
 
@@ -85,7 +85,7 @@ class ProtectMixin:
                     or not hasattr(me, "_inflight_prefills"):
                 raise RuntimeError("KVMETRICS_RECOVERY=evict supports one KV cache group on "
                                    "vLLM's 0.33 scheduler internals only")
-            base = _vllm_base(type(self))
+            base = vllm_base(type(self))
             for hook in PROTECTED:
                 problem = signature_problem(getattr(base, hook.method, None), hook, True)
                 if problem is not None:
@@ -141,7 +141,7 @@ class ProtectMixin:
     def _handle_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
         if not self.kvmetrics_protecting:
             return super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
-        invalid_block_ids: set[int] = _arg(args, kwargs, 0, "invalid_block_ids")
+        invalid_block_ids: set[int] = argument(args, kwargs, 0, "invalid_block_ids")
         me: Any = self
         self._protect_evict = set()
         try:
@@ -165,7 +165,7 @@ class ProtectMixin:
 
     def _free_request(self, *args: Any, **kwargs: Any) -> Any:
         if self.kvmetrics_protecting:
-            request = _arg(args, kwargs, 0, "request")
+            request = argument(args, kwargs, 0, "request")
             if request.num_in_flight_tokens > 0:
                 me: Any = self
                 (block_ids,) = me.kv_cache_manager.get_block_ids(request.request_id)
@@ -179,7 +179,7 @@ class ProtectMixin:
         # Records made while this output is processed already left its tokens out.
         recorded = list(self._protect_gone)
         result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        scheduled = _arg(args, kwargs, 0, "scheduler_output").num_scheduled_tokens
+        scheduled = argument(args, kwargs, 0, "scheduler_output").num_scheduled_tokens
         for rid in recorded:
             record = self._protect_gone.get(rid)
             if record is not None and rid in scheduled:
@@ -194,7 +194,7 @@ class ProtectMixin:
         if not self.kvmetrics_protecting:
             return super()._update_waiting_for_remote_kv(*args, **kwargs)  # type: ignore[misc]
         me: Any = self
-        request = _arg(args, kwargs, 0, "request")
+        request = argument(args, kwargs, 0, "request")
         emptied = (request.request_id in me.failed_recving_kv_req_ids
                    and not request.num_computed_tokens)
         result = super()._update_waiting_for_remote_kv(*args, **kwargs)  # type: ignore[misc]
@@ -208,24 +208,13 @@ class ProtectMixin:
             *args, **kwargs)
         if not self.kvmetrics_protecting:
             return ready
-        request = _arg(args, kwargs, 0, "request")
+        request = argument(args, kwargs, 0, "request")
         if self._protect_emptied is request:
             self._protect_emptied = None
             # It holds no block any more: skipped now, it waits in the plain queue,
             # behind every request that holds blocks.
             return False
         return ready
-
-
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
-    """A parameter of a vLLM method, passed by position or by name."""
-    return args[index] if len(args) > index else kwargs[name]
-
-
-def _vllm_base(cls: type) -> type:
-    """vLLM's scheduler class below this mixin (whose signatures the fix relies on)."""
-    mro = cls.__mro__
-    return mro[mro.index(ProtectMixin) + 1]
 
 
 def _rehash_from(cached: dict[str, int], request_id: str, block_ids: list[int], first: int,

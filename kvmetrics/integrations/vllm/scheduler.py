@@ -43,6 +43,8 @@ from vllm.v1.request import RequestStatus
 
 from kvmetrics.integrations.vllm import hooks
 from kvmetrics.integrations.vllm.exporting import Exporter, build_exporter, settings_for
+from kvmetrics.integrations.vllm.helper_hooks import install_helper_wrappers
+from kvmetrics.integrations.vllm.hooks import argument
 from kvmetrics.integrations.vllm.protect import ProtectMixin
 from kvmetrics.integrations.vllm.recorder import StepRecorder
 from kvmetrics.metrics import catalogue as cat
@@ -76,14 +78,6 @@ def _guarded(hook: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
     return wrap
 
 
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str,
-         default: Any = None) -> Any:
-    """A hooked method's argument by position or keyword, as vLLM passed it."""
-    if len(args) > index:
-        return args[index]
-    return kwargs.get(name, default)
-
-
 class InstrumentedMixin:
     """The hooks; mixed into vLLM's Scheduler or AsyncScheduler."""
 
@@ -107,7 +101,8 @@ class InstrumentedMixin:
         self._kv = StepRecorder(me.block_size, policy, me.connector is not None)
         self._kv_check_hooks()
         try:
-            self._kv_install_wrappers()
+            install_helper_wrappers(self, self._kv_on, self._kv_call_guarded,
+                                    self._kv_hook_failed)
         except Exception:
             log.exception("kvmetrics could not hook vLLM's cache manager; counts will be partial")
         try:
@@ -123,14 +118,9 @@ class InstrumentedMixin:
 
     # -- hook checks ---------------------------------------------------------------------
 
-    def _kv_vllm_base(self) -> type:
-        """vLLM's scheduler class under this mixin (whose methods are the ones hooked)."""
-        mro = type(self).__mro__
-        return next(c for c in mro[mro.index(InstrumentedMixin) + 1:] if c is not ProtectMixin)
-
     def _kv_check_hooks(self) -> None:
         try:
-            broken = hooks.check_hooks(self, self._kv_vllm_base())
+            broken = hooks.check_hooks(self, hooks.vllm_base(type(self)))
         except Exception:
             log.exception("kvmetrics could not check vLLM's hooks; assuming they match")
             return
@@ -152,91 +142,6 @@ class InstrumentedMixin:
         if hook not in self._kv_logged:
             self._kv_logged.add(hook)
             log.exception("kvmetrics hook %s failed; metrics may be incomplete", hook)
-
-    # -- wrappers on vLLM's helper objects (instance attributes, this scheduler only) ----
-
-    def _kv_install_wrappers(self) -> None:
-        me: Any = self
-        kvm = me.kv_cache_manager
-        on = self._kv_on
-        call = self._kv_call_guarded
-
-        if on("kv_cache_manager.record_prefix_cache_stats"):
-            record_stats = kvm.record_prefix_cache_stats
-
-            def record_prefix_cache_stats(request: Any, num_hits: int, *args: Any,
-                                          **kwargs: Any) -> Any:
-                result = record_stats(request, num_hits, *args, **kwargs)
-                call("kv_cache_manager.record_prefix_cache_stats", "lookup", request.request_id,
-                     request.num_tokens, request.num_prompt_tokens, request.num_preemptions,
-                     num_hits)
-                return result
-
-            kvm.record_prefix_cache_stats = record_prefix_cache_stats
-
-        if on("kv_cache_manager.evict_blocks"):
-            evict_blocks = kvm.evict_blocks
-
-            def evict_blocks_hook(*args: Any, **kwargs: Any) -> Any:
-                call("kv_cache_manager.evict_blocks", "set_evict_cause", "kv_load_failure")
-                try:
-                    return evict_blocks(*args, **kwargs)
-                finally:
-                    call("kv_cache_manager.evict_blocks", "set_evict_cause", "capacity")
-
-            kvm.evict_blocks = evict_blocks_hook
-
-        if on("block_pool._maybe_evict_cached_block"):
-            pool = kvm.block_pool
-            maybe_evict = pool._maybe_evict_cached_block
-
-            def maybe_evict_hook(*args: Any, **kwargs: Any) -> Any:
-                evicted = maybe_evict(*args, **kwargs)
-                if evicted:
-                    call("block_pool._maybe_evict_cached_block", "evicted", 1)
-                return evicted
-
-            pool._maybe_evict_cached_block = maybe_evict_hook
-
-        if on("kv_cache_manager.reset_prefix_cache"):
-            reset = kvm.reset_prefix_cache
-
-            def reset_hook(*args: Any, **kwargs: Any) -> Any:
-                cached = self._kv_count_cached()
-                ok = reset(*args, **kwargs)
-                if ok and cached:
-                    call("kv_cache_manager.reset_prefix_cache", "evicted", cached, "reset")
-                return ok
-
-            kvm.reset_prefix_cache = reset_hook
-
-        if me.connector is not None and on("connector.update_state_after_alloc"):
-            after_alloc = me.connector.update_state_after_alloc
-
-            def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int,
-                                         *args: Any, **kwargs: Any) -> Any:
-                result = after_alloc(request, blocks, num_external_tokens, *args, **kwargs)
-                if num_external_tokens > 0:
-                    try:
-                        block_ids = list(blocks.get_block_ids()[0])
-                    except Exception:
-                        block_ids = []
-                else:
-                    block_ids = []
-                call("connector.update_state_after_alloc", "allocated", request.request_id,
-                     block_ids, num_external_tokens)
-                return result
-
-            me.connector.update_state_after_alloc = update_state_after_alloc
-
-    def _kv_count_cached(self) -> int:
-        """Blocks with a prefix-cache entry (read before a reset drops them all)."""
-        try:
-            pool: Any = self.kv_cache_manager.block_pool  # type: ignore[attr-defined]
-            return sum(1 for b in pool.blocks if b.block_hash is not None and not b.is_null)
-        except Exception:
-            self._kv_hook_failed("kv_cache_manager.reset_prefix_cache")
-            return 0
 
     def _kv_call_guarded(self, hook: str, method: str, *args: Any) -> None:
         """Call a recorder method by name for ``hook``; same fault policy as :func:`_guarded`."""
@@ -274,7 +179,7 @@ class InstrumentedMixin:
         hook = "scheduler._preempt_request"
         if not self._kv_on(hook):
             return super()._preempt_request(*args, **kwargs)  # type: ignore[misc]
-        request = _arg(args, kwargs, 0, "request")
+        request = argument(args, kwargs, 0, "request")
         computed = getattr(request, "num_computed_tokens", 0)
         result = super()._preempt_request(*args, **kwargs)  # type: ignore[misc]
         self._kv_call_guarded(hook, "preempted", request.request_id, computed)
@@ -283,7 +188,7 @@ class InstrumentedMixin:
     def _free_request(self, *args: Any, **kwargs: Any) -> Any:
         hook = "scheduler._free_request"
         if self._kv_on(hook):
-            request = _arg(args, kwargs, 0, "request")
+            request = argument(args, kwargs, 0, "request")
             try:
                 rid, status = request.request_id, request.status.name
             except Exception:
@@ -320,8 +225,8 @@ class InstrumentedMixin:
         else:
             scanned = list(kwargs.get("requests", ()))
             kwargs["requests"] = scanned
-        num_scheduled: dict[str, int] = _arg(args, kwargs, 2, "num_scheduled_tokens", {})
-        evict = bool(_arg(args, kwargs, 3, "evict_blocks", True))
+        num_scheduled: dict[str, int] = argument(args, kwargs, 2, "num_scheduled_tokens", {})
+        evict = bool(argument(args, kwargs, 3, "evict_blocks", True))
         before = self._kv_before_rollback(scanned, num_scheduled)
         result = super()._update_requests_with_invalid_blocks(  # type: ignore[misc]
             *args, **kwargs)
@@ -353,7 +258,7 @@ class InstrumentedMixin:
         if not self._kv_on(hook):
             return super()._handle_failed_recving(*args, **kwargs)  # type: ignore[misc]
         me: Any = self
-        failed_req_ids = _arg(args, kwargs, 0, "failed_req_ids", ())
+        failed_req_ids = argument(args, kwargs, 0, "failed_req_ids", ())
         waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
         try:
             hit = {rid: me.requests[rid].num_computed_tokens for rid in failed_req_ids
@@ -378,8 +283,8 @@ class InstrumentedMixin:
         hook = "scheduler.update_from_output"
         if not self._kv_on(hook):
             return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        self._kv_before_output(_arg(args, kwargs, 0, "scheduler_output"),
-                               _arg(args, kwargs, 1, "model_runner_output"))
+        self._kv_before_output(argument(args, kwargs, 0, "scheduler_output"),
+                               argument(args, kwargs, 1, "model_runner_output"))
         result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
         self._kv_end_step()
         return result

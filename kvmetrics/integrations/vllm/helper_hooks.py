@@ -1,0 +1,102 @@
+"""Wrappers on vLLM's helper objects: the KV cache manager, its block pool, the connector.
+
+These methods are not the scheduler's own, so they cannot be overridden by the
+scheduler subclass; each is wrapped on this scheduler's instance (never on the
+class, so other schedulers in the process are untouched). Every wrapper calls
+vLLM's method with the same arguments and returns its result unchanged; the
+metrics side goes through ``call``, which never raises into vLLM. A hook that
+:mod:`kvmetrics.integrations.vllm.hooks` found unusable is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+#: ``call(hook name, recorder method, *args)``: the guarded metrics side of a hook.
+Call = Callable[..., None]
+
+
+def install_helper_wrappers(scheduler: Any, on: Callable[[str], bool], call: Call,
+                            failed: Callable[[str], None]) -> None:
+    """Install the usable wrappers on ``scheduler``'s cache manager, pool and connector;
+    ``failed(hook)`` counts a fault the metrics side met outside ``call``."""
+    kvm = scheduler.kv_cache_manager
+
+    if on("kv_cache_manager.record_prefix_cache_stats"):
+        record_stats = kvm.record_prefix_cache_stats
+
+        def record_prefix_cache_stats(request: Any, num_hits: int, *args: Any,
+                                      **kwargs: Any) -> Any:
+            result = record_stats(request, num_hits, *args, **kwargs)
+            call("kv_cache_manager.record_prefix_cache_stats", "lookup", request.request_id,
+                 request.num_tokens, request.num_prompt_tokens, request.num_preemptions,
+                 num_hits)
+            return result
+
+        kvm.record_prefix_cache_stats = record_prefix_cache_stats
+
+    if on("kv_cache_manager.evict_blocks"):
+        evict_blocks = kvm.evict_blocks
+
+        def evict_blocks_hook(*args: Any, **kwargs: Any) -> Any:
+            call("kv_cache_manager.evict_blocks", "set_evict_cause", "kv_load_failure")
+            try:
+                return evict_blocks(*args, **kwargs)
+            finally:
+                call("kv_cache_manager.evict_blocks", "set_evict_cause", "capacity")
+
+        kvm.evict_blocks = evict_blocks_hook
+
+    if on("block_pool._maybe_evict_cached_block"):
+        pool = kvm.block_pool
+        maybe_evict = pool._maybe_evict_cached_block
+
+        def maybe_evict_hook(*args: Any, **kwargs: Any) -> Any:
+            evicted = maybe_evict(*args, **kwargs)
+            if evicted:
+                call("block_pool._maybe_evict_cached_block", "evicted", 1)
+            return evicted
+
+        pool._maybe_evict_cached_block = maybe_evict_hook
+
+    if on("kv_cache_manager.reset_prefix_cache"):
+        reset = kvm.reset_prefix_cache
+
+        def reset_hook(*args: Any, **kwargs: Any) -> Any:
+            cached = count_cached(kvm, failed)
+            ok = reset(*args, **kwargs)
+            if ok and cached:
+                call("kv_cache_manager.reset_prefix_cache", "evicted", cached, "reset")
+            return ok
+
+        kvm.reset_prefix_cache = reset_hook
+
+    connector = scheduler.connector
+    if connector is not None and on("connector.update_state_after_alloc"):
+        after_alloc = connector.update_state_after_alloc
+
+        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int,
+                                     *args: Any, **kwargs: Any) -> Any:
+            result = after_alloc(request, blocks, num_external_tokens, *args, **kwargs)
+            block_ids: list[int] = []
+            if num_external_tokens > 0:
+                try:
+                    block_ids = list(blocks.get_block_ids()[0])
+                except Exception:
+                    block_ids = []
+            call("connector.update_state_after_alloc", "allocated", request.request_id,
+                 block_ids, num_external_tokens)
+            return result
+
+        connector.update_state_after_alloc = update_state_after_alloc
+
+
+def count_cached(kv_cache_manager: Any, failed: Callable[[str], None]) -> int:
+    """Blocks with a prefix-cache entry (read before a reset drops them all)."""
+    try:
+        pool = kv_cache_manager.block_pool
+        return sum(1 for b in pool.blocks if b.block_hash is not None and not b.is_null)
+    except Exception:
+        failed("kv_cache_manager.reset_prefix_cache")
+        return 0
