@@ -107,12 +107,12 @@ def queued_together(server: VllmServer, x: list[int]) -> dict[str, list[int]]:
     return {k: output_tokens(v[1]) for k, v in answers.items()}
 
 
-def test_a_preempted_owner_reads_its_failed_block_and_its_output_changes(
-        server: VllmServer) -> None:
+def faulty_round(server: VllmServer) -> tuple[list[int], dict[str, list[int]], str]:
+    """A alone (fault-free, saved), then X and A together with A's load #1 failing:
+    A's fault-free output, both outputs of the faulty round, kvmetrics' page after it."""
     status, body = server.complete(A, MAX_TOKENS)  # computed (and saved): no load yet
     assert status == 200
     fault_free_a = output_tokens(body)
-
     server.reset_prefix_cache()
     faulty = queued_together(server, x_prompt(1))
     log = server.log()
@@ -120,38 +120,36 @@ def test_a_preempted_owner_reads_its_failed_block_and_its_output_changes(
     assert len(RECOVERED.findall(log)) == 1  # vLLM rolled A back to block #1
     page = server.kvmetrics_metrics()
     assert total(page, "kvmetrics_preemptions_total") == 1
+    assert total(page, "kvmetrics_kv_load_blocks_total", outcome="failed") == 1
+    return fault_free_a, faulty, page
+
+
+def x_is_untouched(server: VllmServer, faulty: dict[str, list[int]]) -> None:
+    server.reset_prefix_cache()
+    status, body = server.complete(x_prompt(1), MAX_TOKENS)
+    assert status == 200 and output_tokens(body) == faulty["X"]
+
+
+def test_a_preempted_owner_reads_its_failed_block_and_its_output_changes(
+        server: VllmServer) -> None:
+    fault_free_a, faulty, page = faulty_round(server)
     # A's second admission: 96 tokens from the local prefix cache, failed block included.
     assert total(page, "kvmetrics_prefix_cache_hit_tokens_total", source="local",
                  admission="repeat") == 96
-    assert total(page, "kvmetrics_kv_load_blocks_total", outcome="failed") == 1
 
     server.reset_prefix_cache()
     clean = queued_together(server, x_prompt(2))  # load #2 does not fail
 
     assert faulty["A"] != fault_free_a, "A read the failed block and kept its output"
     assert clean["A"] == fault_free_a  # the same schedule without the failure is fine
-    server.reset_prefix_cache()
-    status, body = server.complete(x_prompt(1), MAX_TOKENS)
-    assert status == 200 and output_tokens(body) == faulty["X"]  # X was never touched
+    x_is_untouched(server, faulty)
     wait_until(lambda: total(server.kvmetrics_metrics(), "kvmetrics_preemptions_total") == 2,
                30, "the clean round's preemption")
 
 
 def test_the_protective_recovery_keeps_the_failed_block_out_of_every_read(
         protected_server: VllmServer) -> None:
-    server = protected_server
-    status, body = server.complete(A, MAX_TOKENS)
-    assert status == 200
-    fault_free_a = output_tokens(body)
-
-    server.reset_prefix_cache()
-    faulty = queued_together(server, x_prompt(1))
-    log = server.log()
-    assert len(re.findall(r"failing load #1 of request \S+ \(sync\): blocks \[\d+\]", log)) == 1
-    assert len(RECOVERED.findall(log)) == 1  # the same rollback as vLLM's own path
-    page = server.kvmetrics_metrics()
-    assert total(page, "kvmetrics_preemptions_total") == 1
-    assert total(page, "kvmetrics_kv_load_blocks_total", outcome="failed") == 1
+    fault_free_a, faulty, page = faulty_round(protected_server)
     # A's hashed blocks from the failed one on (its load's #1 and #2; #3 holds 4 tokens
     # and was never hashed) left the prefix cache at the rollback.
     assert total(page, "kvmetrics_evicted_blocks_total", cause="kv_load_failure") == 2
@@ -159,6 +157,4 @@ def test_the_protective_recovery_keeps_the_failed_block_out_of_every_read(
     assert total(page, "kvmetrics_prefix_cache_hit_tokens_total", source="local",
                  admission="repeat") == 32
     assert faulty["A"] == fault_free_a, "A read the failed block under the protective mode"
-    server.reset_prefix_cache()
-    status, body = server.complete(x_prompt(1), MAX_TOKENS)
-    assert status == 200 and output_tokens(body) == faulty["X"]
+    x_is_untouched(protected_server, faulty)
