@@ -1,0 +1,104 @@
+"""Which documented vLLM patch removes a failing soak seed's stale reads.
+
+An oracle the lab's own classifier does not share: each seed's scenario runs on
+vLLM's real scheduler as shipped, then once per patch of ``docs/vllm-patches/``
+(applied alone to a scratch copy of the installed scheduler, as
+:mod:`tests.helpers.vllm_patch` does for the canaries), then with all of them.
+A seed whose stale reads one patch alone removes is attributed to that defect.
+
+    python -m tests.helpers.soak_attribution 3 33 37 43
+    python -m tests.helpers.soak_attribution --from-report soak.json --limit 10
+
+Prints a Markdown table of stale blocks read per seed (``reduced by`` gives the
+count left with each patch that lowers it); docs/vllm.md ("Soak") records a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvmetrics.integrations.vllm import builder
+from kvmetrics.integrations.vllm.protect import ProtectMixin
+from kvmetrics.integrations.vllm.scheduler import InstrumentedMixin
+from kvmetrics.lab.soak import run_scenario
+from tests.helpers.vllm_patch import PATCHES, patched_target
+
+
+@contextmanager
+def scheduler_with(patches: list[Path]) -> Iterator[None]:
+    """The lab's vLLM engine builds its instrumented scheduler over patched vLLM."""
+    scratch = Path(tempfile.mkdtemp(prefix="kvmetrics-attribution-"))
+    target = patched_target(patches, scratch)
+    sync = type("PatchedInstrumented", (InstrumentedMixin, ProtectMixin, target.scheduler), {})
+    asynchronous = type("PatchedInstrumentedAsync",
+                        (InstrumentedMixin, ProtectMixin, target.async_scheduler), {})
+    original = builder.instrumented_cls
+    builder.instrumented_cls = (  # type: ignore[assignment]
+        lambda config: asynchronous if config.async_scheduling else sync)
+    try:
+        yield
+    finally:
+        builder.instrumented_cls = original  # type: ignore[assignment]
+
+
+def stale_blocks(seed: int, patches: list[Path] | None) -> int:
+    if patches is None:
+        outcome = run_scenario(seed, "vllm")
+    else:
+        with scheduler_with(patches):
+            outcome = run_scenario(seed, "vllm")
+    if outcome.error:
+        raise RuntimeError(f"seed {seed}: {outcome.error}")
+    return outcome.verification_failed_blocks
+
+
+def attribute(seeds: Sequence[int]) -> list[dict[str, object]]:
+    patches = sorted(PATCHES.glob("*.diff"))
+    rows = []
+    for seed in seeds:
+        row: dict[str, object] = {"seed": seed, "vllm": stale_blocks(seed, None)}
+        for patch in patches:
+            row[patch.stem] = stale_blocks(seed, [patch])
+        row["all patches"] = stale_blocks(seed, patches)
+        row["fixed by"] = ", ".join(p.stem for p in patches if row[p.stem] == 0) or "-"
+        row["reduced by"] = ", ".join(
+            f"{p.stem} ({row[p.stem]})" for p in patches
+            if 0 < row[p.stem] < row["vllm"]) or "-"  # type: ignore[operator]
+        rows.append(row)
+        print(f"seed {seed}: {row['fixed by']}", file=sys.stderr)
+    return rows
+
+
+def markdown(rows: list[dict[str, object]]) -> str:
+    keys = ["seed", "vllm", "all patches", "fixed by", "reduced by"]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.helpers.soak_attribution",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("seeds", nargs="*", type=int)
+    parser.add_argument("--from-report", type=Path, help="a `kvmetrics soak --json` report")
+    parser.add_argument("--limit", type=int, default=None, help="first N failing seeds")
+    args = parser.parse_args(argv)
+    seeds = list(args.seeds)
+    if args.from_report:
+        report = json.loads(args.from_report.read_text())
+        seeds += sorted({f["seed"] for f in report["failures"] if f["engine"] == "vllm"})
+    seeds = seeds[:args.limit] if args.limit else seeds
+    if not seeds:
+        parser.error("no seeds: give some or --from-report")
+    print(markdown(attribute(seeds)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
