@@ -298,9 +298,11 @@ def exporter_health() -> Panels:
         ),
         p.single_stat(
             "kvmetrics build",
-            "Engines per kvmetrics version and instrumented engine kind.",
-            p.COUNT, f"count by (version, engine_kind) ({build})",
-            legend="{{version}} {{engine_kind}}", steps=p.NEUTRAL, width=6, height=6,
+            "Engines per kvmetrics version, instrumented engine kind and recovery path "
+            "(evict: the protective fix changes vLLM's decisions on these replicas).",
+            p.COUNT, f"count by (version, engine_kind, recovery) ({build})",
+            legend="{{version}} {{engine_kind}} recovery={{recovery}}", steps=p.NEUTRAL,
+            width=6, height=6,
         ),
         p.time_series(
             "Scrape duration",

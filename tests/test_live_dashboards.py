@@ -158,7 +158,7 @@ def _oracles(s: dict[str, Any]) -> dict[tuple[str, str], Oracle]:
         ("Verified KV tokens", "verified"): _per_s(s["verification"]["verified_tokens"]),
         ("KV verification failed blocks", "failed blocks"):
             _per_s(s["verification"]["failed_blocks"]),
-        ("kvmetrics build", "{{version}} {{engine_kind}}"): lambda *_: 1.0,
+        ("kvmetrics build", "{{version}} {{engine_kind}} recovery={{recovery}}"): lambda *_: 1.0,
         ("Dropped series updates", "{{metric}}"): lambda *_: 0.0,
         # The lab's engine hooks no vLLM method; the series exist at zero.
         ("vLLM hooks out of action", "{{hook}}"): lambda *_: 0.0,

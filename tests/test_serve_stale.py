@@ -157,4 +157,5 @@ def test_the_protective_recovery_keeps_the_failed_block_out_of_every_read(
     assert total(page, "kvmetrics_prefix_cache_hit_tokens_total", source="local",
                  admission="repeat") == 32
     assert faulty["A"] == fault_free_a, "A read the failed block under the protective mode"
+    assert total(page, "kvmetrics_build_info", recovery="evict") == 1
     x_is_untouched(protected_server, faulty)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -65,10 +66,24 @@ def test_scrape_page_passes_promtool_and_binds_loopback() -> None:
     assert ('kvmetrics_rolled_back_tokens_total{engine="0",mode="sync",model_name="opt-test",'
             'policy="recompute"} 32.0') in text
     assert 'kvmetrics_recomputed_tokens_total{cause="kv_load_failure",engine="0"' in text
-    assert 'engine_kind="vllm"' in text
+    assert re.search(r'kvmetrics_build_info\{[^}]*engine_kind="vllm"[^}]*recovery="vllm"', text)
     check = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True,
                            timeout=60)
     assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+
+
+def test_the_build_info_says_which_replicas_run_the_protective_recovery() -> None:
+    engine = failing_engine({"metrics_addr": "127.0.0.1:0", "recovery": "evict"})
+    exporter = engine.scheduler.kvmetrics_exporter
+    try:
+        engine.run()
+        url = f"http://127.0.0.1:{exporter.server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        engine.close()
+    (line,) = [row for row in text.splitlines() if row.startswith("kvmetrics_build_info{")]
+    assert 'recovery="evict"' in line and line.endswith(" 1.0")
 
 
 def _vllm_config(dp_index: int = 0, extra: dict | None = None) -> SimpleNamespace:

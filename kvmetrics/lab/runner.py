@@ -145,7 +145,8 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
                                  engine="0", engine_kind=engine.kind)
         sinks.append(sink_for(provider))
     pipeline = MetricsPipeline(sinks, model_name=cfg.model_name, engine="0",
-                               engine_kind=engine.kind, strict=cfg.strict)
+                               engine_kind=engine.kind, recovery=cfg.recovery,
+                               strict=cfg.strict)
     instrumented = InstrumentedEngine(engine, pipeline)
     server: MetricsServer | None = None
     if cfg.serve:

@@ -199,8 +199,9 @@ INSTRUMENTATION_ERRORS = MetricSpec(
 )
 BUILD_INFO = MetricSpec(
     "kvmetrics_build_info", "info",
-    "kvmetrics version and the kind of engine it instruments (value is always 1).",
-    open_labels=("version", "engine_kind"),
+    "kvmetrics version, the kind of engine it instruments, and its KV-load recovery: "
+    "vllm (vLLM's own) or evict (kvmetrics' protective fix). Value is always 1.",
+    open_labels=("version", "engine_kind", "recovery"),
 )
 
 #: Counters whose increments are events an engine reports, each passing the guard.

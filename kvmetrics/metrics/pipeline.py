@@ -34,12 +34,16 @@ class MetricsPipeline:
         model_name: str = "default",
         engine: str = "0",
         engine_kind: str = "reference",
+        recovery: str = "vllm",
         strict: bool = False,
         check_invariants: bool = True,
     ) -> None:
         self.sinks = list(sinks)
         self.common = (model_name, engine)
         self.engine_kind = engine_kind
+        #: Whose recovery path the engine runs (build info), so that a fleet can tell
+        #: replicas that change vLLM's decisions (evict) from those that only observe.
+        self.recovery = recovery
         self.strict = strict
         self.totals = Totals()
         #: The first MAX_KEPT_VIOLATIONS violations, in order (all are counted).
@@ -91,7 +95,8 @@ class MetricsPipeline:
 
     def _announce_to(self, sink: MetricSink) -> None:
         """Build info, and every bounded counter series at zero (see bounded_label_sets)."""
-        self._safely(sink, "info", cat.BUILD_INFO, self.common + (__version__, self.engine_kind))
+        self._safely(sink, "info", cat.BUILD_INFO, self.common + (__version__, self.engine_kind,
+                                                         self.recovery))
         for spec in cat.COUNTERS:
             for values in cat.bounded_label_sets(spec):
                 self._safely(sink, "inc", spec, self.common + values, 0)

@@ -62,6 +62,8 @@ class ExportSettings:
     strict: bool = False
     otlp_endpoint: str | None = None
     export: bool = True
+    #: The recovery path the scheduler runs (``KVMETRICS_RECOVERY``), for the build info.
+    recovery: str = "vllm"
     extra_sinks: list[MetricSink] = field(default_factory=list)
 
 
@@ -158,7 +160,8 @@ def build_exporter(settings: ExportSettings) -> Exporter:
         except Exception:
             log.exception("kvmetrics: OTLP export to %s disabled", settings.otlp_endpoint)
     pipeline = MetricsPipeline(sinks, model_name=settings.model_name, engine=settings.engine,
-                               engine_kind="vllm", strict=settings.strict)
+                               engine_kind="vllm", recovery=settings.recovery,
+                               strict=settings.strict)
     exporter = Exporter(pipeline, sink, otel_provider=provider)
     try:
         where = endpoint_for(settings)

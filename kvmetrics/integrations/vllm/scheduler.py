@@ -107,6 +107,7 @@ class InstrumentedMixin:
             log.exception("kvmetrics could not hook vLLM's cache manager; counts will be partial")
         try:
             settings = settings_for(me.vllm_config)
+            settings.recovery = getattr(self, "kvmetrics_recovery", "vllm")
             if settings.export:
                 self.kvmetrics_exporter = build_exporter(settings)
                 self.kvmetrics_pipeline = self.kvmetrics_exporter.pipeline
