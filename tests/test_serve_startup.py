@@ -1,8 +1,9 @@
-"""A bad FaultInjectingConnector setting stops ``vllm serve`` at start-up, with one line
-naming the key (vLLM's own traceback around it is vLLM's; the message is ours).
+"""A bad FaultInjectingConnector setting, or an unknown key in
+``--additional-config '{"kvmetrics": ...}'``, stops ``vllm serve`` at start-up with one
+line naming the key (vLLM's own traceback around it is vLLM's; the message is ours).
 
-Measured on the 2-core CI kind of machine: the server gives up after about 30 s
-(the worker builds its connector before loading the model).
+Measured on the 2-core CI kind of machine: each server gives up after 30-50 s (the
+worker builds its connector, the engine core its scheduler, before serving).
 """
 
 from __future__ import annotations
@@ -22,4 +23,15 @@ def test_a_bad_fault_rate_stops_the_server_naming_the_key(tmp_path: Path) -> Non
     lines = [line for line in server.log().splitlines() if expected in line]
     assert lines, server.log_tail()
     # Never a hang: nothing of the server is left running.
+    assert server.process is not None and server.process.poll() is not None
+
+
+def test_a_misspelt_kvmetrics_setting_stops_the_server_naming_it(tmp_path: Path) -> None:
+    """A typo in ``--additional-config`` must not leave a replica silently unprotected."""
+    extra = ["--additional-config", '{"kvmetrics": {"recovry": "evict"}}']
+    server = VllmServer(ServerSpec(extra_args=extra), tmp_path)
+    code = server.run_to_exit()
+    assert code != 0
+    expected = "additional_config.kvmetrics: unknown setting 'recovry' (known: "
+    assert any(expected in line for line in server.log().splitlines()), server.log_tail()
     assert server.process is not None and server.process.poll() is not None

@@ -86,6 +86,17 @@ def test_the_build_info_says_which_replicas_run_the_protective_recovery() -> Non
     assert 'recovery="evict"' in line and line.endswith(" 1.0")
 
 
+@pytest.mark.parametrize("settings, message", [
+    ({"recovry": "evict"}, "additional_config.kvmetrics: unknown setting 'recovry' (known: "),
+    ({"recovery": "evcit"}, "KVMETRICS_RECOVERY must be one of vllm, evict, got 'evcit'"),
+])
+def test_a_misspelt_setting_stops_the_scheduler_with_one_line(settings: dict,
+                                                               message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        failing_engine(settings)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
 def _vllm_config(dp_index: int = 0, extra: dict | None = None) -> SimpleNamespace:
     return SimpleNamespace(
         parallel_config=SimpleNamespace(data_parallel_index=dp_index),

@@ -19,7 +19,13 @@ KVMETRICS_STRICT            strict              raise on counter violations (tes
 KVMETRICS_OTLP_ENDPOINT     otlp_endpoint       also push OTLP/HTTP to this URL
 KVMETRICS_EXPORT            export              ``0``: build no pipeline at all; the
                                                 owner drains the step events
+KVMETRICS_RECOVERY          recovery            ``evict``: the protective recovery
+                                                (:mod:`.protect`; default ``vllm``)
 ==========================  ==================  ==================================
+
+An unknown key under ``additional_config["kvmetrics"]`` stops the engine at startup
+with one line naming it: a misspelt ``recovery`` must not leave a replica silently
+unprotected.
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set the values are written to that shared
 directory instead (the one vLLM's API server reads when it is set before
@@ -65,6 +71,26 @@ class ExportSettings:
     #: The recovery path the scheduler runs (``KVMETRICS_RECOVERY``), for the build info.
     recovery: str = "vllm"
     extra_sinks: list[MetricSink] = field(default_factory=list)
+
+
+#: Every key ``additional_config["kvmetrics"]`` may hold.
+SETTING_KEYS = ("metrics_addr", "model_name", "engine", "strict", "otlp_endpoint", "export",
+                "recovery")
+
+
+def check_setting_keys(vllm_config: Any) -> None:
+    """Raise ValueError (one line) for a key of ``additional_config["kvmetrics"]`` that
+    kvmetrics does not know."""
+    extra = getattr(vllm_config, "additional_config", None)
+    ours = extra.get("kvmetrics") if isinstance(extra, dict) else None
+    if ours is None:
+        return
+    if not isinstance(ours, dict):
+        raise ValueError(f"additional_config.kvmetrics must be an object, got {ours!r}")
+    unknown = sorted(set(ours) - set(SETTING_KEYS))
+    if unknown:
+        raise ValueError(f"additional_config.kvmetrics: unknown setting {unknown[0]!r} "
+                         f"(known: {', '.join(SETTING_KEYS)})")
 
 
 def _flag(value: Any) -> bool:

@@ -42,7 +42,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvmetrics.integrations.vllm import hooks
-from kvmetrics.integrations.vllm.exporting import Exporter, build_exporter, settings_for
+from kvmetrics.integrations.vllm.exporting import (
+    Exporter,
+    build_exporter,
+    check_setting_keys,
+    settings_for,
+)
 from kvmetrics.integrations.vllm.helper_hooks import install_helper_wrappers
 from kvmetrics.integrations.vllm.hooks import argument
 from kvmetrics.integrations.vllm.protect import ProtectMixin
@@ -86,6 +91,8 @@ class InstrumentedMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        me: Any = self
+        check_setting_keys(me.vllm_config)  # a misspelt setting stops startup, on purpose
         self._kv_ready: list[StepEvents] = []
         self._kv_step = 0
         self.kvmetrics_exporter = None
@@ -96,7 +103,6 @@ class InstrumentedMixin:
         #: Hook faults since the last recorded step, and the hooks already logged.
         self._kv_errors: dict[str, int] = {}
         self._kv_logged: set[str] = set()
-        me: Any = self
         policy = "recompute" if me.recompute_kv_load_failures else "fail"
         self._kv = StepRecorder(me.block_size, policy, me.connector is not None)
         self._kv_check_hooks()
