@@ -93,28 +93,23 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.num_gpu_blocks < 2:
             raise ConfigError("num_gpu_blocks must be at least 2 (block 0 is reserved)")
-        if self.kv_load_failure_policy not in POLICIES:
-            raise ConfigError(f"kv_load_failure_policy must be one of {POLICIES}, "
-                              f"got {self.kv_load_failure_policy!r}")
-        if self.async_admission not in ASYNC_ADMISSIONS:
-            raise ConfigError(f"async_admission must be one of {ASYNC_ADMISSIONS}, "
-                              f"got {self.async_admission!r}")
-        if self.async_rollback not in ASYNC_ROLLBACKS:
-            raise ConfigError(f"async_rollback must be one of {ASYNC_ROLLBACKS}, "
-                              f"got {self.async_rollback!r}")
-        if self.async_caching not in ASYNC_CACHINGS:
-            raise ConfigError(f"async_caching must be one of {ASYNC_CACHINGS}, "
-                              f"got {self.async_caching!r}")
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ConfigError(f"long_prefill_token_threshold must be an integer >= 0, "
                               f"got {threshold!r}")
-        if self.recovery not in RECOVERIES:
-            raise ConfigError(f"recovery must be one of {RECOVERIES}, got {self.recovery!r}")
-        if self.accounting not in ACCOUNTINGS:
-            raise ConfigError(f"accounting must be one of {ACCOUNTINGS}, "
-                              f"got {self.accounting!r}")
+        for name, allowed in _CHOICES:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
 
     @property
     def max_blocks_per_request(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+
+#: Fields with a fixed set of values, checked in this order.
+_CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("kv_load_failure_policy", POLICIES), ("async_admission", ASYNC_ADMISSIONS),
+    ("async_rollback", ASYNC_ROLLBACKS), ("async_caching", ASYNC_CACHINGS),
+    ("recovery", RECOVERIES), ("accounting", ACCOUNTINGS),
+)
