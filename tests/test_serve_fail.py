@@ -30,7 +30,6 @@ from tests.helpers.vllm_server import (
     loaded_tokens,
     output_tokens,
     total,
-    wait_until,
 )
 
 PROMPTS = CONNECTOR_PROMPTS
@@ -52,13 +51,8 @@ def rounds(server: VllmServer) -> dict:
     assert all(status == 200 for status, _ in first)
     server.reset_prefix_cache()
     second = [server.complete(p, MAX_TOKENS) for p in PROMPTS]
-    done = 2 * len(PROMPTS)
-    pages = wait_until(
-        lambda: (lambda v, k: (v, k) if total(v, "vllm:request_success_total") == done
-                 and total(k, "kvmetrics_finished_requests_total") == done else None)(
-            server.vllm_metrics(), server.kvmetrics_metrics()),
-        60, "both endpoints to count every request")
-    return {"first": first, "second": second, "vllm": pages[0], "ours": pages[1],
+    theirs, ours = server.pages_when_finished(2 * len(PROMPTS))
+    return {"first": first, "second": second, "vllm": theirs, "ours": ours,
             "log": server.log()}
 
 

@@ -50,7 +50,6 @@ from tests.helpers.vllm_server import (
     output_tokens,
     request_id_of,
     total,
-    wait_until,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,13 +84,8 @@ def rounds(server: VllmServer) -> dict:
     first = run_round(server)
     server.reset_prefix_cache()
     second = run_round(server)
-    done = 2 * len(PROMPTS)
-    pages = wait_until(
-        lambda: (lambda v, k: (v, k) if total(v, "vllm:request_success_total") == done
-                 and total(k, "kvmetrics_finished_requests_total") == done else None)(
-            server.vllm_metrics(), server.kvmetrics_metrics()),
-        60, "both endpoints to count every request")
-    return {"first": first, "second": second, "vllm": pages[0], "ours": pages[1],
+    theirs, ours = server.pages_when_finished(2 * len(PROMPTS))
+    return {"first": first, "second": second, "vllm": theirs, "ours": ours,
             "log": server.log()}
 
 
@@ -167,9 +161,7 @@ def test_prometheus_scrapes_both_endpoints_and_the_rules_return_data(
         server.reset_prefix_cache()
         third = run_round(server)  # traffic while Prometheus watches
         assert [o for _, o in third] == [o for _, o in rounds["first"]]
-        done = 3 * len(PROMPTS)
-        wait_until(lambda: total(server.vllm_metrics(), "vllm:request_success_total") == done,
-                   60, "vLLM to count the third round")
+        server.pages_when_finished(3 * len(PROMPTS))  # the third round counted
         prom.wait_for_scrape(after=time.time())
         time.sleep(2.5)  # two rule evaluations over the fresh samples
         at = prom.wait_for_scrape(after=time.time())

@@ -304,6 +304,18 @@ class VllmServer:
     def kvmetrics_metrics(self) -> str:
         return self._get(f"http://127.0.0.1:{self.kvmetrics_port}/metrics")
 
+    def pages_when_finished(self, done: int, timeout: float = 60) -> tuple[str, str]:
+        """vLLM's page and kvmetrics' page once both count ``done`` finished requests
+        (vLLM publishes its stats on an interval, so they are polled for)."""
+        def both() -> tuple[str, str] | None:
+            theirs, ours = self.vllm_metrics(), self.kvmetrics_metrics()
+            if (total(theirs, "vllm:request_success_total") == done
+                    and total(ours, "kvmetrics_finished_requests_total") == done):
+                return theirs, ours
+            return None
+
+        return wait_until(both, timeout, f"both endpoints to count {done} finished requests")
+
     # -- logs -----------------------------------------------------------------------
 
     def log(self) -> str:
