@@ -11,6 +11,14 @@ ASYNC_ROLLBACKS = ("drop", "vllm")
 ASYNC_CACHINGS = ("in_flight", "placeholders")
 RECOVERIES = ("vllm", "evict")
 
+#: The async modes that go with each recovery: ``vllm`` is vLLM 0.33 as it is (its
+#: stall and its in-flight rollback included), ``evict`` the complete fix (what
+#: vLLM's scheduler does with kvmetrics' protective mode on).
+RECOVERY_MODES: dict[str, dict[str, str]] = {
+    "vllm": {"async_admission": "vllm", "async_rollback": "vllm"},
+    "evict": {"async_admission": "live", "async_rollback": "drop"},
+}
+
 
 def check_fits(request_id: str, num_prompt_tokens: int, max_tokens: int,
                config: SchedulerConfig) -> None:

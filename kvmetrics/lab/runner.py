@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvmetrics.engine.config import ConfigError, SchedulerConfig
+from kvmetrics.engine.config import RECOVERY_MODES, ConfigError, SchedulerConfig
 from kvmetrics.engine.faults import FaultPlan, FaultPlanError
 from kvmetrics.exporters.prometheus import MetricsServer, PrometheusSink, parse_host_port, serve
 from kvmetrics.instrument.wrapper import InstrumentedEngine
@@ -96,14 +96,11 @@ def engine_fidelity(cfg: LabConfig) -> dict[str, Any]:
     """The scheduler settings that follow vLLM: its defaults, and its defects or the fix.
 
     ``--recovery vllm`` is vLLM 0.33 as it is, so the reference engine reproduces
-    all five recovery-path defects of docs/vllm-defects.md (and both engines agree
+    all six recovery-path defects of docs/vllm-defects.md (and both engines agree
     exactly); ``--recovery evict`` fixes all of them, on either engine.
     """
-    faithful = cfg.recovery == "vllm"
     return dict(recovery=cfg.recovery, async_scheduling=cfg.async_scheduling,
-                async_admission="vllm" if faithful else "live",
-                async_rollback="vllm" if faithful else "drop",
-                reserve_full_prompt=cfg.reserve_full_prompt,
+                **RECOVERY_MODES[cfg.recovery], reserve_full_prompt=cfg.reserve_full_prompt,
                 long_prefill_token_threshold=cfg.long_prefill_token_threshold)
 
 

@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from kvmetrics.engine.config import RECOVERY_MODES
 from kvmetrics.engine.connector import StoreConnector
 from kvmetrics.engine.executor import EOS_TOKEN_ID, SimulatedExecutor
 from kvmetrics.engine.external_store import ExternalStoreIndex
@@ -39,24 +40,23 @@ def installed_async_caching() -> str:
 
 def vllm_faithful(config: SchedulerConfig) -> SchedulerConfig:
     """The reference engine as the installed vLLM is, its recovery-path defects included."""
-    return replace(config, recovery="vllm", async_admission="vllm", async_rollback="vllm",
+    return replace(config, recovery="vllm", **RECOVERY_MODES["vllm"],
                    async_caching=installed_async_caching())
 
 
 def kvmetrics_fix(config: SchedulerConfig) -> SchedulerConfig:
     """The complete fix, on the reference engine as on vLLM's protective mode."""
-    return replace(config, recovery="evict", async_admission="live", async_rollback="drop",
+    return replace(config, recovery="evict", **RECOVERY_MODES["evict"],
                    async_caching=installed_async_caching())
 
 
 def vllm_recovery(config: SchedulerConfig) -> str:
     """The ``KVMETRICS_RECOVERY`` under which vLLM matches ``config`` exactly."""
-    modes = (config.recovery, config.async_admission, config.async_rollback)
-    if modes == ("evict", "live", "drop"):
-        return "evict"
-    if modes == ("vllm", "vllm", "vllm"):
-        return "vllm"
-    raise ValueError(f"recovery/async_admission/async_rollback {'/'.join(modes)} has no vLLM "
+    modes = {"async_admission": config.async_admission, "async_rollback": config.async_rollback}
+    if RECOVERY_MODES.get(config.recovery) == modes:
+        return config.recovery
+    raise ValueError(f"recovery/async_admission/async_rollback {config.recovery}/"
+                     f"{config.async_admission}/{config.async_rollback} has no vLLM "
                      "counterpart: use vllm_faithful() or kvmetrics_fix()")
 
 
