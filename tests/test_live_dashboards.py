@@ -30,6 +30,7 @@ import yaml
 from dashboards import kv_cache_recovery
 from dashboards.build import all_targets, variable_queries
 from dashboards.queries import GRAFANA_VARS, ratio, substitute_grafana_vars
+from kvmetrics import __version__
 from tests.helpers.prometheus import PrometheusServer, free_port, poll, running_prometheus
 from tests.lab_support import REPO, console_script
 
@@ -158,7 +159,11 @@ def _oracles(s: dict[str, Any]) -> dict[tuple[str, str], Oracle]:
         ("Verified KV tokens", "verified"): _per_s(s["verification"]["verified_tokens"]),
         ("KV verification failed blocks", "failed blocks"):
             _per_s(s["verification"]["failed_blocks"]),
-        ("kvmetrics build", "{{version}} {{engine_kind}} recovery={{recovery}}"): lambda *_: 1.0,
+        # One engine, named by what the run was: its version, kind and recovery path.
+        ("kvmetrics build", "{{version}} {{engine_kind}} recovery={{recovery}}"):
+            lambda s_, labels, w: 1.0 if labels == {
+                "version": __version__, "engine_kind": s["engine"],
+                "recovery": s["config"]["recovery"]} else None,
         ("Dropped series updates", "{{metric}}"): lambda *_: 0.0,
         # The lab's engine hooks no vLLM method; the series exist at zero.
         ("vLLM hooks out of action", "{{hook}}"): lambda *_: 0.0,
