@@ -9,10 +9,10 @@ the sum of all of them.
 from __future__ import annotations
 
 import os
+import ssl
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -20,12 +20,12 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
 from kvmetrics.metrics.catalogue import (
     ALL_METRICS,
     KV_CACHE_BLOCKS,
@@ -225,9 +225,13 @@ def without_created(source: CollectorRegistry,
 
     ``scraped`` is set once the registry has been collected (by a scrape).
     """
-    registry = CollectorRegistry(auto_describe=False)
+    registry = _ServedRegistry(auto_describe=False)
     registry.register(_WithoutCreated(source, scraped))
     return registry
+
+
+class _ServedRegistry(CollectorRegistry):
+    """A registry that :func:`without_created` made (serve() does not wrap it twice)."""
 
 
 class _WithoutCreated(Collector):
@@ -236,6 +240,12 @@ class _WithoutCreated(Collector):
     def __init__(self, source: CollectorRegistry, scraped: threading.Event | None) -> None:
         self.source = source
         self.scraped = scraped
+
+    def describe(self) -> Iterator[Metric]:
+        """The source's families without samples, so that the serving registry knows
+        their names and ``restricted_registry`` (``name[]``) finds them."""
+        for family in self.source.collect():
+            yield Metric(family.name, family.documentation, family.type, family.unit)
 
     def collect(self) -> Iterator[Metric]:
         for family in self.source.collect():
@@ -262,30 +272,68 @@ class TLSOptions:
     client_capath: str | None = None
     client_auth_required: bool = False
 
+    @property
+    def enabled(self) -> bool:
+        return bool(self.certfile or self.keyfile or self.client_cafile or self.client_capath)
+
+
+class TLSConfigError(ValueError):
+    """A TLS setting that cannot work (one line, naming the file and why)."""
+
+
+def tls_context(tls: TLSOptions) -> ssl.SSLContext:
+    """The server context, or TLSConfigError naming the file that is missing or bad.
+
+    A client CA makes client certificates required: a CA that is configured but not
+    enforced would look like authentication and be none.
+    """
+    if not (tls.certfile and tls.keyfile):
+        raise TLSConfigError("TLS needs both a certificate and a key file"
+                             f" (got cert={tls.certfile!r}, key={tls.keyfile!r})")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(tls.certfile, tls.keyfile)
+    except (OSError, ssl.SSLError) as e:
+        raise TLSConfigError(f"cannot load TLS certificate {tls.certfile!r} with key "
+                             f"{tls.keyfile!r}: {_why(e)}") from None
+    if tls.client_cafile or tls.client_capath:
+        try:
+            context.load_verify_locations(tls.client_cafile, tls.client_capath)
+        except (OSError, ssl.SSLError) as e:
+            where = tls.client_cafile or tls.client_capath
+            raise TLSConfigError(f"cannot load client CA {where!r}: {_why(e)}") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    elif tls.client_auth_required:
+        raise TLSConfigError("client certificates required but no client CA given")
+    return context
+
+
+def _why(e: BaseException) -> str:
+    text = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
+    return " ".join(str(text).split())
+
 
 @dataclass
 class MetricsServer:
-    server: WSGIServer
-    thread: threading.Thread
+    endpoint: HTTPEndpoint
     #: Set once the endpoint has served a page.
     scraped: threading.Event = field(default_factory=threading.Event)
 
     @property
     def port(self) -> int:
-        return int(self.server.server_port)
+        return self.endpoint.port
 
     @property
     def host(self) -> str:
-        return str(self.server.server_address[0])
+        return self.endpoint.host
 
     def wait_for_scrape(self, timeout: float) -> bool:
         """Block until the endpoint has served a page; False after ``timeout`` seconds."""
         return self.scraped.wait(timeout)
 
     def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        self.endpoint.stop()
 
 
 def serve(
@@ -293,20 +341,19 @@ def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     tls: TLSOptions | None = None,
+    limits: ServerLimits | None = None,
 ) -> MetricsServer:
     """Serve ``/metrics`` on ``host:port`` (loopback unless told otherwise; port 0 picks one).
 
     ``_created`` samples are left out (see :meth:`PrometheusSink.serving_registry`).
+    TLSConfigError (one line) for TLS files that cannot be used; OSError for a busy port.
     """
-    tls = tls or TLSOptions()
+    context = tls_context(tls) if tls is not None and tls.enabled else None
     scraped = threading.Event()
-    server, thread = start_http_server(
-        port, addr=host, registry=without_created(registry, scraped),
-        certfile=tls.certfile, keyfile=tls.keyfile,
-        client_cafile=tls.client_cafile, client_capath=tls.client_capath,
-        client_auth_required=tls.client_auth_required,
-    )
-    return MetricsServer(server, thread, scraped)
+    served = registry if isinstance(registry, _ServedRegistry) else without_created(registry)
+    endpoint = start_endpoint(served, host, port, tls=context,
+                              limits=limits, on_page=scraped.set)
+    return MetricsServer(endpoint, scraped)
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
