@@ -19,7 +19,7 @@ def _page(sink: PrometheusSink) -> str:
     return sink.render().decode()
 
 
-def test_a_label_value_outside_the_catalogue_is_dropped_and_counted() -> None:
+def test_a_label_value_outside_the_catalogue_is_refused_and_counted() -> None:
     sink = PrometheusSink(CollectorRegistry())
     pipeline = MetricsPipeline([sink], model_name="m", engine="0")
     events = StepEvents(step=1)
@@ -31,8 +31,11 @@ def test_a_label_value_outside_the_catalogue_is_dropped_and_counted() -> None:
         "model_name": "m", "engine": "0", "reason": "repetition"}) is None
     assert reg.get_sample_value(cat.FINISHED_REQUESTS.name, {
         "model_name": "m", "engine": "0", "reason": "stopped"}) == 1
-    assert reg.get_sample_value(cat.SERIES_OVERFLOW.name, {
-        "model_name": "m", "engine": "0", "metric": cat.FINISHED_REQUESTS.name}) == 1
+    # refused before any sink (so that the pipeline's own totals stay bounded too)
+    assert reg.get_sample_value(cat.GUARD_REJECTED_INCREMENTS.name, {
+        "model_name": "m", "engine": "0", "metric": cat.FINISHED_REQUESTS.name,
+        "reason": "bad_labels"}) == 1
+    assert pipeline.totals.by_metric(cat.FINISHED_REQUESTS) == {("stopped",): 1}
     check = subprocess.run(["promtool", "check", "metrics"], input=sink.render(),
                            capture_output=True)
     assert check.returncode == 0, check.stdout + check.stderr

@@ -61,7 +61,7 @@ def _events(step: int, *incs: tuple[MetricSpec, object, tuple[str, ...]]) -> Ste
 
 
 BAD_AMOUNTS = [(-5, "negative"), (float("nan"), "non_finite"), (float("inf"), "non_finite"),
-               (float("-inf"), "non_finite"), (True, "non_finite"), ("3", "non_finite")]
+               (float("-inf"), "non_finite"), (True, "not_a_number"), ("3", "not_a_number")]
 
 
 @pytest.mark.parametrize(("amount", "kind"), BAD_AMOUNTS)

@@ -70,7 +70,7 @@ POLICY = ("recompute", "fail")
 FINISH_REASONS = ("stopped", "length", "aborted", "error")
 REQUEST_STATES = ("running", "waiting", "waiting_for_remote_kv")
 #: Why the guard refused an increment.
-REJECTION_REASONS = ("negative", "non_finite")
+REJECTION_REASONS = ("negative", "non_finite", "not_a_number", "overflow", "bad_labels")
 #: The cross-metric and pool invariants of kvmetrics.metrics.invariants, by name.
 INVARIANTS = (
     "hits_within_queries",        # prefix hits <= queries, per source (cumulative)
@@ -224,7 +224,8 @@ EVENT_COUNTERS: tuple[MetricSpec, ...] = (
 GUARD_REJECTED_INCREMENTS = MetricSpec(
     "kvmetrics_guard_rejected_increments_total", "counter",
     "Counter increments the guard refused to pass to the client libraries, by the "
-    "counter they were meant for and why (a negative or non-finite amount). Any "
+    "counter they were meant for and why (a negative, non-finite or non-numeric amount, "
+    "a total that would overflow, or label values outside the catalogue). Any "
     "increase is a bug in the engine's accounting; the engine keeps running.",
     unit="increments",
     labels={"metric": tuple(s.name for s in EVENT_COUNTERS), "reason": REJECTION_REASONS},

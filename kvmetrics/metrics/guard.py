@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 
 from kvmetrics.metrics.events import CounterIncrement
@@ -33,13 +34,14 @@ class CounterViolationError(RuntimeError):
 class Violation:
     """A refused increment or a broken invariant, with where it happened.
 
-    ``kind`` is ``negative`` or ``non_finite`` for an increment the guard refused
-    (``metric`` is the counter it was meant for), or ``invariant`` for a broken
-    invariant (``invariant`` names it; ``metric`` is the family it concerns).
+    ``kind`` is a :data:`~kvmetrics.metrics.catalogue.REJECTION_REASONS` value for an
+    increment the guard refused (``metric`` is the counter it was meant for), or
+    ``invariant`` for a broken invariant (``invariant`` names it; ``metric`` is the
+    family it concerns).
     """
 
     metric: str
-    kind: str  # negative | non_finite | invariant
+    kind: str  # one of cat.REJECTION_REASONS, or invariant
     step: int
     detail: str
     request_id: str | None = None
@@ -69,18 +71,79 @@ class Violation:
 
 
 def check_increment(inc: CounterIncrement, step: int) -> Violation | None:
-    """Return the violation an increment would cause, or None if it is safe to apply."""
-    amount = inc.amount
-    if isinstance(amount, bool) or not isinstance(amount, int | float):
-        return Violation(inc.spec.name, "non_finite", step,
-                         f"amount {amount!r} is not a number", inc.request_id)
-    if not math.isfinite(amount):
-        return Violation(inc.spec.name, "non_finite", step, f"amount {amount}", inc.request_id)
-    if amount < 0:
+    """Return the violation an increment would cause, or None if it is safe to apply.
+
+    Total: whatever ``inc.amount`` and ``inc.label_values`` hold, this returns and
+    never raises. Use :func:`amount_of` for the float to add once this returned None.
+    """
+    amount, reason = classify_amount(inc.amount)
+    if reason is None:
+        try:
+            reason = _label_problem(inc)
+        except Exception:  # a label value whose == raises (an array, say)
+            reason = "label values that cannot be compared"
+        if reason is not None:
+            return Violation(inc.spec.name, "bad_labels", step,
+                             f"labels {_short(inc.label_values)}: {reason}", inc.request_id)
+        return None
+    detail = f"amount {_short(inc.amount)}"
+    if reason == "negative":
         labels = dict(zip(inc.spec.labels, inc.label_values, strict=False))
-        return Violation(inc.spec.name, "negative", step,
-                         f"amount {amount} labels {labels}", inc.request_id)
+        detail += f" labels {labels}"
+    return Violation(inc.spec.name, reason, step, detail, inc.request_id)
+
+
+def amount_of(inc: CounterIncrement) -> float:
+    """The accepted amount as a float (only for increments check_increment accepted)."""
+    return classify_amount(inc.amount)[0]
+
+
+def classify_amount(amount: object) -> tuple[float, str | None]:
+    """``(value, None)`` for a finite, non-negative real amount, else ``(nan, reason)``.
+
+    Accepted: any :class:`numbers.Real` but bool (ints of any size that fit a float,
+    numpy integer and float scalars, fractions). Refused: bools and anything that is
+    not a real number (``not_a_number``: str, None, Decimal, complex), ints too large
+    for a float (``overflow``), NaN and infinities (``non_finite``), amounts below
+    zero (``negative``).
+    """
+    if isinstance(amount, bool) or type(amount).__name__ == "bool_" or \
+            not isinstance(amount, numbers.Real):
+        return math.nan, "not_a_number"
+    try:
+        value = float(amount)
+    except OverflowError:
+        return math.nan, "overflow"
+    except Exception:  # a Real whose __float__ misbehaves
+        return math.nan, "not_a_number"
+    if not math.isfinite(value):
+        return math.nan, "non_finite"
+    if value < 0:
+        return math.nan, "negative"
+    return value + 0.0, None  # -0.0 -> 0.0
+
+
+def _label_problem(inc: CounterIncrement) -> str | None:
+    """Why the increment's own label values cannot be a series of its family, or None."""
+    values = inc.label_values
+    allowed = inc.spec.labels
+    if not isinstance(values, tuple) or len(values) != len(allowed):
+        return f"expected {len(allowed)} values ({', '.join(allowed)})"
+    for value, (name, choices) in zip(values, allowed.items(), strict=True):
+        if value not in choices:
+            return f"{name}={_short(value)} is not one of the catalogue's values"
     return None
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """A repr fit for a log line, whatever the value (a huge int has no cheap repr)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f"<int of {value.bit_length()} bits>"
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def report(violation: Violation, strict: bool) -> None:

@@ -44,12 +44,13 @@ class InvariantChecker:
             self._decreased.append((name, values, before, exported_total))
         self._series[key] = exported_total
         self._dirty = True
+        first = values[0] if values else ""  # a label-less series: never raises
         if name == _QUERIES:
-            self._queries[values[0]] += amount
+            self._queries[first] += amount
         elif name == _HITS:
-            self._hits[values[0]] += amount
+            self._hits[first] += amount
         elif name == _RECOMPUTED:
-            if values[0] == "kv_load_failure":
+            if first == "kv_load_failure":
                 self._recomputed_after_failure += amount
         elif name == _ROLLED_BACK:
             self._rolled_back += amount

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from kvmetrics import __version__
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import GaugeReadings, StepEvents
-from kvmetrics.metrics.guard import Violation, check_increment, report
+from kvmetrics.metrics.guard import Violation, amount_of, check_increment, report
 from kvmetrics.metrics.invariants import InvariantChecker
 from kvmetrics.metrics.sink import MetricSink
 from kvmetrics.metrics.totals import Totals
@@ -24,6 +24,7 @@ log = logging.getLogger("kvmetrics.pipeline")
 
 #: Violations kept for reports; a long broken run keeps counting but stops keeping them.
 MAX_KEPT_VIOLATIONS = 1000
+_EVENT_COUNTER_NAMES = frozenset(s.name for s in cat.EVENT_COUNTERS)
 
 
 class MetricsPipeline:
@@ -65,10 +66,11 @@ class MetricsPipeline:
         step = events.step
         for inc in events.increments:
             violation = check_increment(inc, step)
+            if violation is None:
+                violation = self._apply(inc.spec, inc.label_values, amount_of(inc), step,
+                                        inc.request_id)
             if violation is not None:
                 self._violate(violation)
-                continue
-            self._apply(inc.spec, inc.label_values, inc.amount)
         g = events.gauges
         if g is not None and g != self._last_gauges:
             # Decode-heavy steps rarely change these; skipping equal readings keeps
@@ -101,13 +103,20 @@ class MetricsPipeline:
             for values in cat.bounded_label_sets(spec):
                 self._safely(sink, "inc", spec, self.common + values, 0)
 
-    def _apply(self, spec: cat.MetricSpec, values: tuple[str, ...], amount: float) -> None:
+    def _apply(self, spec: cat.MetricSpec, values: tuple[str, ...], amount: float,
+               step: int = 0, request_id: str | None = None) -> Violation | None:
+        """Add an accepted amount everywhere; the violation instead if the series' total
+        would leave the finite floats (exported as +Inf, it would poison every rate())."""
         total = self.totals.add(spec, values, amount)
+        if total is None:
+            return Violation(spec.name, "overflow", step,
+                             f"total would overflow adding {amount:g}", request_id)
         if self._invariants is not None:
             self._invariants.observe(spec, values, amount, total)
         full = self.common + values
         for sink in self.sinks:
             self._safely(sink, "inc", spec, full, amount)
+        return None
 
     def _set_each(self, sink: MetricSink, g: GaugeReadings) -> None:
         """Gauges one by one, for a sink without ``set_gauges``."""
@@ -118,7 +127,9 @@ class MetricsPipeline:
         if len(self.violations) < MAX_KEPT_VIOLATIONS:
             self.violations.append(violation)
         if violation.is_rejection:
-            self._apply(cat.GUARD_REJECTED_INCREMENTS, (violation.metric, violation.kind), 1)
+            if violation.metric in _EVENT_COUNTER_NAMES:  # else no series to count it in
+                self._apply(cat.GUARD_REJECTED_INCREMENTS, (violation.metric, violation.kind),
+                            1)
         else:
             self._apply(cat.INVARIANT_VIOLATIONS, (str(violation.invariant),), 1)
         report(violation, self.strict)

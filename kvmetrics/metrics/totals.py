@@ -7,6 +7,7 @@ stream and the summary agree by construction (and the tests check that they do).
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from kvmetrics.metrics.catalogue import MetricSpec
@@ -16,10 +17,18 @@ class Totals:
     def __init__(self) -> None:
         self._values: dict[tuple[str, tuple[str, ...]], float] = defaultdict(float)
 
-    def add(self, spec: MetricSpec, label_values: tuple[str, ...], amount: float) -> float:
-        """Add and return the series' new total."""
+    def add(self, spec: MetricSpec, label_values: tuple[str, ...],
+            amount: float) -> float | None:
+        """Add and return the series' new total; None (nothing added) if the total
+        would no longer be a finite float.
+
+        Bounded: the guard admits only the catalogue's label values, so there is at
+        most one entry per label set of the catalogue (see ``cat.bounded_label_sets``).
+        """
         key = (spec.name, label_values)
         total = self._values[key] + amount
+        if not math.isfinite(total):
+            return None
         self._values[key] = total
         return total
 
