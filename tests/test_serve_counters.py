@@ -72,7 +72,8 @@ def both_sides(server: VllmServer, finished: int) -> dict[str, tuple[float, floa
             return None
         return vllm, ours
 
-    vllm, ours = wait_until(ready, 60, f"{finished} finished requests on both endpoints")
+    vllm, ours = wait_until(ready, 60, f"{finished} finished requests on both endpoints",
+                            report=server.scrape_report)
     return {f"{k[0]}{k[1]}": (total(ours, k[0], **k[1]), total(vllm, v[0], **v[1]))
             for k, v in PAIRS}
 

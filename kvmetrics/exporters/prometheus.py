@@ -55,6 +55,12 @@ def multiprocess_dir() -> str | None:
 #: Every catalogue label but model_name/engine is enumerable (about 50 sets per
 #: engine at most), so this only bites on a runaway model_name or engine value.
 DEFAULT_MAX_SERIES_PER_FAMILY = 4096
+#: (model_name, engine) label sets one sink serves; a process normally has one engine
+#: per sink, the lab a handful. Updates of engines beyond this are dropped and counted
+#: under :data:`OTHER_ENGINE`, so the overflow family too has a fixed number of series.
+DEFAULT_MAX_ENGINES = 32
+#: The (model_name, engine) values overflow is counted under for engines past the cap.
+OTHER_ENGINE = ("_other", "_other")
 
 
 class PrometheusSink:
@@ -67,7 +73,8 @@ class PrometheusSink:
     """
 
     def __init__(self, registry: CollectorRegistry | None = None,
-                 max_series_per_family: int = DEFAULT_MAX_SERIES_PER_FAMILY) -> None:
+                 max_series_per_family: int = DEFAULT_MAX_SERIES_PER_FAMILY,
+                 max_engines: int = DEFAULT_MAX_ENGINES) -> None:
         self.multiprocess = multiprocess_dir() is not None
         if registry is None:
             registry = CollectorRegistry(auto_describe=True)
@@ -89,6 +96,7 @@ class PrometheusSink:
         #: (model_name, engine) label sets with at least one admitted series.
         self._engines: set[tuple[str, ...]] = set()
         self.max_series_per_family = max_series_per_family
+        self.max_engines = max_engines
 
     @staticmethod
     def _create(spec: MetricSpec, registry: CollectorRegistry | None):
@@ -115,32 +123,34 @@ class PrometheusSink:
         """First sight of a label set: bounded values and room left in the family.
 
         ``count=False`` for the zero-valued series created up front: refusing those
-        drops nothing a user would miss, so it is not counted as overflow. The
-        overflow counter's own zero series are created only for engines (model_name,
-        engine) admitted elsewhere, so a runaway engine label cannot fill that family
-        with zeros before it has anything to count; its real series may hold one per
-        family and engine label set.
+        drops nothing a user would miss, so it is not counted as overflow. At most
+        ``max_engines`` (model_name, engine) sets are served; the overflow counter has
+        one series per served engine and family, plus one per family under
+        :data:`OTHER_ENGINE` for everything else: a fixed number, whatever the labels.
         """
         common = len(values) - len(spec.labels) - len(spec.open_labels)
-        own = values[common:]
-        if not all(v in allowed for v, allowed in zip(own, spec.labels.values(), strict=False)):
-            ok = False
-        elif spec is not SERIES_OVERFLOW:
-            ok = self._series.get(spec.name, 0) < self.max_series_per_family
-            if ok:
-                self._engines.add(values[:common])
-        elif not count:
-            return values[:common] in self._engines  # outside the cap, bounded by it
-        else:
-            ok = self._series.get(spec.name, 0) < self.max_series_per_family * len(ALL_METRICS)
+        engine, own = values[:common], values[common:]
+        if spec is SERIES_OVERFLOW:
+            return (engine in self._engines or engine == OTHER_ENGINE) and \
+                own[0] in spec.labels["metric"]
+        known_values = all(v in allowed for v, allowed in zip(own, spec.labels.values(),
+                                                               strict=False))
+        room_for_engine = engine in self._engines or len(self._engines) < self.max_engines
+        ok = known_values and room_for_engine and \
+            self._series.get(spec.name, 0) < self.max_series_per_family
         if ok:
+            self._engines.add(engine)
             self._series[spec.name] = self._series.get(spec.name, 0) + 1
             return True
-        if count and spec is not SERIES_OVERFLOW:
-            overflow = self._child(SERIES_OVERFLOW, values[:common] + (spec.name,))
-            if overflow is not None:
-                overflow.inc()
+        if count:
+            self._count_overflow(engine, spec.name)
         return False
+
+    def _count_overflow(self, engine: tuple[str, ...], family: str) -> None:
+        where = engine if engine in self._engines else OTHER_ENGINE
+        overflow = self._child(SERIES_OVERFLOW, where + (family,))
+        if overflow is not None:
+            overflow.inc()
 
     def inc(self, spec: MetricSpec, label_values: tuple[str, ...], amount: float) -> None:
         child = self._child(spec, label_values, count=amount != 0)
@@ -159,11 +169,12 @@ class PrometheusSink:
             for spec, values, value in readings.samples():
                 self.set(spec, common + values, value)
             return
-        if common not in gauges.latest and len(gauges.latest) >= self.max_series_per_family:
-            overflow = self._child(SERIES_OVERFLOW, common + (KV_CACHE_USAGE.name,))
-            if overflow is not None:
-                overflow.inc()
+        if common not in gauges.latest and (
+                len(gauges.latest) >= self.max_series_per_family
+                or (common not in self._engines and len(self._engines) >= self.max_engines)):
+            self._count_overflow(common, KV_CACHE_USAGE.name)
             return
+        self._engines.add(common)
         gauges.latest[common] = readings
 
     def observe(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:

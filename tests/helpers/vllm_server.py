@@ -28,6 +28,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,15 @@ def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+@dataclass(frozen=True)
+class Scrape:
+    at: float  # seconds since the server object was made
+    endpoint: str
+    url: str
+    seconds: float
+    outcome: str
+
+
 class ServerError(RuntimeError):
     """The server did not start, died, or answered something unexpected."""
 
@@ -142,6 +152,9 @@ class VllmServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / f"{name}.log"
         self.started_s = 0.0
+        self.t0 = time.monotonic()
+        #: Every scrape of either endpoint (bounded: the newest 2,000).
+        self.scrapes: deque[Scrape] = deque(maxlen=2000)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -294,15 +307,34 @@ class VllmServer:
         if status != 200:
             raise ServerError(f"/reset_prefix_cache answered {status}: {body}")
 
-    def _get(self, url: str) -> str:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.read().decode()
+    def _get(self, url: str, endpoint: str) -> str:
+        """GET a page; every scrape's target, latency and outcome is remembered, and a
+        failure names the endpoint and how long it took (which one hung, and how)."""
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                page = response.read().decode()
+        except OSError as e:
+            took = time.monotonic() - t0
+            self.scrapes.append(Scrape(t0 - self.t0, endpoint, url, took, repr(e)))
+            raise ServerError(f"GET {url} ({endpoint}) failed after {took:.2f} s: "
+                              f"{e!r}") from e
+        self.scrapes.append(Scrape(t0 - self.t0, endpoint, url, time.monotonic() - t0, "ok"))
+        return page
 
     def vllm_metrics(self) -> str:
-        return self._get(f"{self.url}/metrics")
+        return self._get(f"{self.url}/metrics", "vLLM API server")
 
     def kvmetrics_metrics(self) -> str:
-        return self._get(f"http://127.0.0.1:{self.kvmetrics_port}/metrics")
+        return self._get(f"http://127.0.0.1:{self.kvmetrics_port}/metrics",
+                         "kvmetrics endpoint in the EngineCore")
+
+    def scrape_report(self, last: int = 12) -> str:
+        """The last scrapes, and every failed or slow one, for a timeout's message."""
+        notable = [s for s in self.scrapes if s.outcome != "ok" or s.seconds > 1.0]
+        lines = [f"  t={s.at:7.2f}s {s.endpoint}: {s.seconds:.3f} s {s.outcome}"
+                 for s in (*notable[-20:], *list(self.scrapes)[-last:])]
+        return "scrapes (failed/slow, then the last ones):\n" + "\n".join(lines)
 
     def pages_when_finished(self, done: int, timeout: float = 60) -> tuple[str, str]:
         """vLLM's page and kvmetrics' page once both count ``done`` finished requests
@@ -314,7 +346,8 @@ class VllmServer:
                 return theirs, ours
             return None
 
-        return wait_until(both, timeout, f"both endpoints to count {done} finished requests")
+        return wait_until(both, timeout, f"both endpoints to count {done} finished requests",
+                          report=self.scrape_report)
 
     # -- logs -----------------------------------------------------------------------
 
@@ -351,9 +384,11 @@ def total(page: str, name: str, **labels: str) -> float:
     return found
 
 
-def wait_until(check: Any, timeout: float, what: str, interval: float = 0.5) -> Any:
+def wait_until(check: Any, timeout: float, what: str, interval: float = 0.5,
+               report: Any = None) -> Any:
     """Call ``check`` until it returns something truthy (vLLM publishes its stats on an
-    interval, so a value is polled for with a deadline, never slept for)."""
+    interval, so a value is polled for with a deadline, never slept for). ``report``
+    (a callable) adds its text to the timeout's message."""
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
@@ -365,7 +400,9 @@ def wait_until(check: Any, timeout: float, what: str, interval: float = 0.5) -> 
             if last:
                 return last
         if time.monotonic() > deadline:
-            raise ServerError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+            extra = f"\n{report()}" if report is not None else ""
+            raise ServerError(f"timed out after {timeout:g} s waiting for {what} "
+                              f"(last: {last!r}){extra}")
         time.sleep(interval)
 
 
