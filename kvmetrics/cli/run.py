@@ -102,6 +102,11 @@ def _add(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wait-for-scrape", type=float, default=0.0, metavar="S",
                    help="with --serve: start the run only after the endpoint was scraped "
                    "once (at most S seconds), so Prometheus sees every series from 0")
+    g.add_argument("--serve-tls-cert", metavar="FILE",
+                   help="with --serve: serve HTTPS with this PEM certificate (needs the key)")
+    g.add_argument("--serve-tls-key", metavar="FILE", help="the certificate's PEM private key")
+    g.add_argument("--serve-tls-client-ca", metavar="FILE",
+                   help="require client certificates signed by this CA (mutual TLS)")
     g.add_argument("--otlp-endpoint", metavar="URL",
                    help="push metrics over OTLP/HTTP (e.g. http://127.0.0.1:4318)")
     g.add_argument("--model-name", default="kvmetrics-lab", help="model_name label value")
@@ -166,6 +171,8 @@ def _run(args: argparse.Namespace) -> int:
         abort_rate=args.abort_rate, serve=args.serve, linger=args.linger or 0.0,
         wait_for_scrape=args.wait_for_scrape,
         otlp_endpoint=args.otlp_endpoint, strict=args.strict, model_name=args.model_name,
+        serve_tls_cert=args.serve_tls_cert, serve_tls_key=args.serve_tls_key,
+        serve_tls_client_ca=args.serve_tls_client_ca,
         progress=not args.no_progress and stderr_is_tty())
     try:
         result = run_lab(cfg)

@@ -9,6 +9,7 @@ from kvmetrics.engine.config import ACCOUNTINGS, POLICIES, RECOVERIES
 from kvmetrics.engine.connector import LOAD_MODES
 from kvmetrics.lab.synthetic import DESCRIPTIONS
 from kvmetrics.lab.traces import FORMATS
+from kvmetrics.metrics.labels import check_label_value
 
 VERIFY_MODES = ("full", "sampled", "off")
 DEVICES = ("auto", "cpu", "cuda")
@@ -75,6 +76,11 @@ class LabConfig:
     strict: bool = False
     model_name: str = "kvmetrics-lab"
     progress: bool = True
+    #: TLS for the ``serve`` endpoint: certificate and key (PEM), and a CA whose client
+    #: certificates are then required (mutual TLS).
+    serve_tls_cert: str | None = None
+    serve_tls_key: str | None = None
+    serve_tls_client_ca: str | None = None
 
     DEFAULT_SYNTHETIC_REQUESTS = 300
 
@@ -117,6 +123,13 @@ class LabConfig:
             raise LabError(f"--wait-for-scrape must be >= 0 seconds, got {self.wait_for_scrape}")
         if self.wait_for_scrape and not self.serve:
             raise LabError("--wait-for-scrape needs --serve (nothing can scrape the run)")
+        try:
+            check_label_value("--model-name", self.model_name)
+        except ValueError as e:
+            raise LabError(str(e)) from None
+        if (self.serve_tls_cert or self.serve_tls_key or self.serve_tls_client_ca) \
+                and not self.serve:
+            raise LabError("--serve-tls-* need --serve (there is no endpoint to secure)")
 
     @property
     def store_capacity(self) -> int:

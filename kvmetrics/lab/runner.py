@@ -12,7 +12,13 @@ from typing import Any
 
 from kvmetrics.engine.config import RECOVERY_MODES, ConfigError, SchedulerConfig
 from kvmetrics.engine.faults import FaultPlan, FaultPlanError
-from kvmetrics.exporters.prometheus import MetricsServer, PrometheusSink, parse_host_port, serve
+from kvmetrics.exporters.prometheus import (
+    MetricsServer,
+    PrometheusSink,
+    TLSOptions,
+    parse_host_port,
+    serve,
+)
 from kvmetrics.instrument.wrapper import InstrumentedEngine
 from kvmetrics.lab import synthetic
 from kvmetrics.lab.config import LabConfig, LabError
@@ -149,10 +155,13 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
     if cfg.serve:
         try:
             host, port = parse_host_port(cfg.serve)
-            server = serve(prometheus.serving_registry(), host, port)
+            server = serve(prometheus.serving_registry(), host, port, tls=TLSOptions(
+                certfile=cfg.serve_tls_cert, keyfile=cfg.serve_tls_key,
+                client_cafile=cfg.serve_tls_client_ca))
         except (ValueError, OSError) as e:
             raise LabError(f"cannot serve metrics on {cfg.serve}: {e}") from None
-        log.info("serving metrics on http://%s:%d/metrics", server.host, server.port)
+        scheme = "https" if cfg.serve_tls_cert else "http"
+        log.info("serving metrics on %s://%s:%d/metrics", scheme, server.host, server.port)
 
     try:
         if server is not None and cfg.wait_for_scrape \
