@@ -21,11 +21,18 @@ KVMETRICS_EXPORT            export              ``0``: build no pipeline at all;
                                                 owner drains the step events
 KVMETRICS_RECOVERY          recovery            ``evict``: the protective recovery
                                                 (:mod:`.protect`; default ``vllm``)
+KVMETRICS_TLS_CERT          tls_cert            serve HTTPS with this PEM
+                                                certificate (needs the key)
+KVMETRICS_TLS_KEY           tls_key             its PEM private key
+KVMETRICS_TLS_CLIENT_CA     tls_client_ca       require client certificates
+                                                signed by this CA (mutual TLS)
 ==========================  ==================  ==================================
 
 An unknown key under ``additional_config["kvmetrics"]`` stops the engine at startup
 with one line naming it: a misspelt ``recovery`` must not leave a replica silently
-unprotected.
+unprotected. So do a ``model_name`` or ``engine`` that cannot be a label value (not
+UTF-8, too long: every scrape would fail) and TLS files that cannot be loaded (the
+operator asked for an encrypted endpoint; serving none, or plain HTTP, would be a lie).
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set the values are written to that shared
 directory instead (the one vLLM's API server reads when it is set before
@@ -44,10 +51,13 @@ from typing import Any
 from kvmetrics.exporters.prometheus import (
     MetricsServer,
     PrometheusSink,
+    TLSOptions,
     multiprocess_dir,
     parse_host_port,
     serve,
+    tls_context,
 )
+from kvmetrics.metrics.labels import check_label_value
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from kvmetrics.metrics.sink import MetricSink
 
@@ -71,16 +81,30 @@ class ExportSettings:
     #: The recovery path the scheduler runs (``KVMETRICS_RECOVERY``), for the build info.
     recovery: str = "vllm"
     extra_sinks: list[MetricSink] = field(default_factory=list)
+    tls: TLSOptions | None = None
 
 
 #: Every key ``additional_config["kvmetrics"]`` may hold.
 SETTING_KEYS = ("metrics_addr", "model_name", "engine", "strict", "otlp_endpoint", "export",
-                "recovery")
+                "recovery", "tls_cert", "tls_key", "tls_client_ca")
 
 
 def check_setting_keys(vllm_config: Any) -> None:
-    """Raise ValueError (one line) for a key of ``additional_config["kvmetrics"]`` that
-    kvmetrics does not know."""
+    """Raise ValueError (one line) for a setting that cannot work: a key of
+    ``additional_config["kvmetrics"]`` that kvmetrics does not know, a label value that
+    cannot be served, or TLS files that cannot be loaded."""
+    _check_keys(vllm_config)
+    settings = settings_for(vllm_config)
+    check_label_value("kvmetrics model_name (KVMETRICS_MODEL_NAME)", settings.model_name)
+    check_label_value("kvmetrics engine (KVMETRICS_ENGINE)", settings.engine)
+    if settings.tls is not None:
+        if settings.metrics_addr is None or not settings.export:
+            raise ValueError("kvmetrics TLS settings given, but no kvmetrics endpoint is "
+                             "served (KVMETRICS_METRICS_ADDR is off or multiprocess mode)")
+        tls_context(settings.tls)  # TLSConfigError, a ValueError: one line
+
+
+def _check_keys(vllm_config: Any) -> None:
     extra = getattr(vllm_config, "additional_config", None)
     ours = extra.get("kvmetrics") if isinstance(extra, dict) else None
     if ours is None:
@@ -112,10 +136,15 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
         "strict": env.get("KVMETRICS_STRICT", "0"),
         "otlp_endpoint": env.get("KVMETRICS_OTLP_ENDPOINT") or None,
         "export": env.get("KVMETRICS_EXPORT", "1"),
+        "tls_cert": env.get("KVMETRICS_TLS_CERT") or None,
+        "tls_key": env.get("KVMETRICS_TLS_KEY") or None,
+        "tls_client_ca": env.get("KVMETRICS_TLS_CLIENT_CA") or None,
     }
     extra = getattr(vllm_config, "additional_config", None)
     if isinstance(extra, dict) and isinstance(extra.get("kvmetrics"), dict):
         values.update({k: v for k, v in extra["kvmetrics"].items() if k in values})
+    tls = TLSOptions(certfile=values["tls_cert"] or None, keyfile=values["tls_key"] or None,
+                     client_cafile=values["tls_client_ca"] or None)
     addr = values["metrics_addr"]
     if addr is None:
         addr = None if multiprocess_dir() else DEFAULT_METRICS_ADDR
@@ -129,6 +158,7 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
         strict=_flag(values["strict"]),
         otlp_endpoint=values["otlp_endpoint"] or None,
         export=_flag(values["export"]),
+        tls=tls if tls.enabled else None,
     )
 
 
@@ -192,8 +222,9 @@ def build_exporter(settings: ExportSettings) -> Exporter:
     try:
         where = endpoint_for(settings)
         if where is not None:
-            exporter.server = serve(sink.serving_registry(), *where)
-            log.info("kvmetrics: serving metrics on http://%s:%d/metrics",
+            exporter.server = serve(sink.serving_registry(), *where, tls=settings.tls)
+            log.info("kvmetrics: serving metrics on %s://%s:%d/metrics",
+                     "https" if settings.tls else "http",
                      exporter.server.host, exporter.server.port)
     except Exception:
         log.exception("kvmetrics: cannot serve metrics on %s; continuing without an endpoint",
