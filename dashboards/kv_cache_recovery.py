@@ -315,9 +315,11 @@ def exporter_health() -> Panels:
             "Dropped series updates",
             "Updates the exporter refused because they would create a series beyond its "
             "family's cap or with a label value outside the catalogue. Any value means a "
-            "runaway label (e.g. a request id used as engine).",
+            "runaway label (e.g. a request id used as engine). Also: multiprocess files "
+            "a scrape had to leave out (unreadable).",
             "count:updates/s",
-            [(sum_rate(c.SERIES_OVERFLOW.name, by=("metric",)), "{{metric}}")],
+            [(sum_rate(c.SERIES_OVERFLOW.name, by=("metric",)), "{{metric}}"),
+             (sum_rate(c.SCRAPE_ERRORS.name, by=("reason",)), "scrape: {{reason}}")],
             steps=p.ANY_IS_BAD, width=6,
         ),
         p.single_stat(

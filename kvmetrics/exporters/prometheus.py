@@ -22,15 +22,16 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
+from kvmetrics.exporters.multiprocess import ProcessLifetime, TolerantMultiProcessCollector
 from kvmetrics.metrics.catalogue import (
     ALL_METRICS,
     KV_CACHE_BLOCKS,
     KV_CACHE_USAGE,
     REQUESTS,
+    SCRAPE_ERRORS,
     SERIES_OVERFLOW,
     MetricSpec,
 )
@@ -39,12 +40,15 @@ from kvmetrics.metrics.events import GaugeReadings
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9400
 
-#: How gauges of several processes combine in multiprocess mode: each engine
-#: process has its own ``engine`` label, so summing live processes is exact.
-_MULTIPROC_GAUGE_MODE = {KV_CACHE_USAGE.name: "livemax",
-                         KV_CACHE_BLOCKS.name: "livemax",
-                         REQUESTS.name: "livesum",
-                         "kvmetrics_build_info": "livemax"}
+#: How gauges of several processes combine in multiprocess mode. Each is the state of
+#: one engine, written by the one live process that runs it (its own ``engine``
+#: label): the value is that process's latest write, and it goes with the process.
+#: (livesum would add a restarted engine's values to those of a process that is gone
+#: but not yet reaped, or of a second process misconfigured with the same label.)
+_MULTIPROC_GAUGE_MODE = {KV_CACHE_USAGE.name: "livemostrecent",
+                         KV_CACHE_BLOCKS.name: "livemostrecent",
+                         REQUESTS.name: "livemostrecent",
+                         "kvmetrics_build_info": "livemostrecent"}
 
 
 def multiprocess_dir() -> str | None:
@@ -75,7 +79,10 @@ class PrometheusSink:
     def __init__(self, registry: CollectorRegistry | None = None,
                  max_series_per_family: int = DEFAULT_MAX_SERIES_PER_FAMILY,
                  max_engines: int = DEFAULT_MAX_ENGINES) -> None:
-        self.multiprocess = multiprocess_dir() is not None
+        directory = multiprocess_dir()
+        self.multiprocess = directory is not None
+        #: Marks this process dead in the shared directory on close() and at exit.
+        self._lifetime = ProcessLifetime(directory) if directory else None
         if registry is None:
             registry = CollectorRegistry(auto_describe=True)
         self.registry = registry
@@ -106,7 +113,7 @@ class PrometheusSink:
         if spec.kind == "histogram":
             return Histogram(spec.name, spec.help, labels, registry=registry,
                              buckets=spec.buckets)
-        mode = _MULTIPROC_GAUGE_MODE.get(spec.name, "livesum")
+        mode = _MULTIPROC_GAUGE_MODE.get(spec.name, "livemostrecent")
         return Gauge(spec.name, spec.help, labels, registry=registry,
                      multiprocess_mode=mode)
 
@@ -197,10 +204,23 @@ class PrometheusSink:
         change the pages of the host process's own metrics (vLLM's).
         """
         source = self.registry
-        if self.multiprocess:
-            source = CollectorRegistry()
-            MultiProcessCollector(source)
+        directory = multiprocess_dir()
+        if self.multiprocess and directory:
+            source = CollectorRegistry(auto_describe=False)
+            source.register(TolerantMultiProcessCollector(directory, self._bad_file))
         return without_created(source)
+
+    def _bad_file(self, path: str) -> None:
+        """Count a multiprocess file left out of a page (under this sink's first engine)."""
+        engine = min(self._engines) if self._engines else OTHER_ENGINE
+        child = self._child(SCRAPE_ERRORS, engine + ("unreadable_multiprocess_file",))
+        if child is not None:
+            child.inc()
+
+    def close(self) -> None:
+        """The engine stops: in multiprocess mode its live gauges go with it."""
+        if self._lifetime is not None:
+            self._lifetime.close()
 
     def render(self) -> bytes:
         return generate_latest(self.serving_registry())
@@ -253,10 +273,12 @@ class _WithoutCreated(Collector):
         self.scraped = scraped
 
     def describe(self) -> Iterator[Metric]:
-        """The source's families without samples, so that the serving registry knows
-        their names and ``restricted_registry`` (``name[]``) finds them."""
-        for family in self.source.collect():
-            yield Metric(family.name, family.documentation, family.type, family.unit)
+        """The catalogue's families without samples, so that the serving registry knows
+        their names and ``restricted_registry`` (``name[]``) finds them. Taken from the
+        catalogue, not from collecting the source: in multiprocess mode a collect reads
+        (and counts problems with) every process's files."""
+        for spec in ALL_METRICS:
+            yield Metric(spec.base_name, spec.help, spec.kind)
 
     def collect(self) -> Iterator[Metric]:
         for family in self.source.collect():

@@ -238,6 +238,14 @@ INVARIANT_VIOLATIONS = MetricSpec(
     unit="violations", labels={"invariant": INVARIANTS},
 )
 
+SCRAPE_ERRORS = MetricSpec(
+    "kvmetrics_scrape_errors_total", "counter",
+    "Problems met while rendering the scrape page that did not stop it, by reason: "
+    "unreadable_multiprocess_file is a *.db file in PROMETHEUS_MULTIPROC_DIR that could "
+    "not be read (empty, truncated) and was left out of that page.",
+    unit="errors", labels={"reason": ("unreadable_multiprocess_file",)},
+)
+
 #: Every family but the overflow counter: the exporter caps their series and counts the
 #: updates it drops in the overflow counter.
 _CAPPED_FAMILIES: tuple[MetricSpec, ...] = (
@@ -249,6 +257,7 @@ _CAPPED_FAMILIES: tuple[MetricSpec, ...] = (
     REQUESTS,
     RECOVERY_DURATION,
     BUILD_INFO,
+    SCRAPE_ERRORS,
 )
 SERIES_OVERFLOW = MetricSpec(
     "kvmetrics_series_overflow_total", "counter",

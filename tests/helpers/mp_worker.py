@@ -27,6 +27,11 @@ def _dump(pipeline: MetricsPipeline, out: str) -> None:
             in pipeline.totals.series().items()]
     with open(out, "w") as f:
         json.dump(rows, f)
+    gauges = pipeline._last_gauges  # what this engine last exported
+    with open(out + ".gauges.json", "w") as f:
+        json.dump([] if gauges is None else
+                  [[spec.name, list(values), value] for spec, values, value in gauges.samples()],
+                  f)
 
 
 def run(engine: str, seed: int, out: str, stop_after: int | None) -> None:

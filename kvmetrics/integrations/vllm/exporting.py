@@ -172,6 +172,10 @@ class Exporter:
     otel_provider: Any = None
 
     def shutdown(self) -> None:
+        try:
+            self.prometheus.close()  # multiprocess mode: this engine's live gauges go
+        except Exception:
+            log.exception("kvmetrics: marking this process dead failed")
         if self.server is not None:
             try:
                 self.server.stop()
