@@ -21,7 +21,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
@@ -109,10 +109,10 @@ class PrometheusSink:
     def _create(spec: MetricSpec, registry: CollectorRegistry | None):
         labels = spec.label_names
         if spec.kind == "counter":
-            return Counter(spec.base_name, spec.help, labels, registry=registry)
+            return _Counter(spec.base_name, spec.help, labels, registry=registry)
         if spec.kind == "histogram":
-            return Histogram(spec.name, spec.help, labels, registry=registry,
-                             buckets=spec.buckets)
+            return _Histogram(spec.name, spec.help, labels, registry=registry,
+                              buckets=spec.buckets)
         mode = _MULTIPROC_GAUGE_MODE.get(spec.name, "livemostrecent")
         return Gauge(spec.name, spec.help, labels, registry=registry,
                      multiprocess_mode=mode)
@@ -196,19 +196,13 @@ class PrometheusSink:
 
     def serving_registry(self) -> CollectorRegistry:
         """The registry a scrape should read: this sink's series (or, in multiprocess
-        mode, every process's) without the ``_created`` samples.
-
-        prometheus-client adds a ``<counter>_created`` gauge per counter series; it
-        doubles the page for nothing a kvmetrics dashboard or rule reads. It is
-        dropped here rather than with ``disable_created_metrics()``, which would also
-        change the pages of the host process's own metrics (vLLM's).
-        """
-        source = self.registry
+        mode, every process's, which have no ``_created`` samples either)."""
         directory = multiprocess_dir()
         if self.multiprocess and directory:
             source = CollectorRegistry(auto_describe=False)
             source.register(TolerantMultiProcessCollector(directory, self._bad_file))
-        return without_created(source)
+            return source
+        return self.registry
 
     def _bad_file(self, path: str) -> None:
         """Count a multiprocess file left out of a page (under this sink's first engine)."""
@@ -227,6 +221,29 @@ class PrometheusSink:
 
 
 _STEP_GAUGES = (KV_CACHE_USAGE, KV_CACHE_BLOCKS, REQUESTS)
+
+
+class _Counter(Counter):
+    """A Counter whose series have no ``_created`` sample.
+
+    prometheus-client adds a ``<counter>_created`` sample per series; it doubles the
+    page for nothing a kvmetrics dashboard or rule reads. It is left out here, per
+    metric, rather than with ``disable_created_metrics()``, which would also change
+    the pages of the host process's own metrics (vLLM's), and rather than by
+    filtering the rendered families (a copy of every family on every scrape).
+    """
+
+    def _child_samples(self):  # type: ignore[no-untyped-def]
+        samples = super()._child_samples()
+        return samples[:1]  # _total (then _created, when enabled)
+
+
+class _Histogram(Histogram):
+    """A Histogram whose series have no ``_created`` sample (see :class:`_Counter`)."""
+
+    def _child_samples(self):  # type: ignore[no-untyped-def]
+        samples = super()._child_samples()
+        return samples[:-1] if samples and samples[-1].name == "_created" else samples
 
 
 class _StepGauges(Collector):
@@ -248,53 +265,6 @@ class _StepGauges(Collector):
             for spec, values, value in g.samples():
                 families[spec.name].add_metric([*common, *values], value)
         yield from families.values()
-
-
-def without_created(source: CollectorRegistry,
-                    scraped: threading.Event | None = None) -> CollectorRegistry:
-    """A registry serving ``source``'s families minus their ``_created`` samples.
-
-    ``scraped`` is set once the registry has been collected (by a scrape).
-    """
-    registry = _ServedRegistry(auto_describe=False)
-    registry.register(_WithoutCreated(source, scraped))
-    return registry
-
-
-class _ServedRegistry(CollectorRegistry):
-    """A registry that :func:`without_created` made (serve() does not wrap it twice)."""
-
-
-class _WithoutCreated(Collector):
-    """Another registry's families, minus prometheus-client's ``_created`` samples."""
-
-    def __init__(self, source: CollectorRegistry, scraped: threading.Event | None) -> None:
-        self.source = source
-        self.scraped = scraped
-
-    def describe(self) -> Iterator[Metric]:
-        """The catalogue's families without samples, so that the serving registry knows
-        their names and ``restricted_registry`` (``name[]``) finds them. Taken from the
-        catalogue, not from collecting the source: in multiprocess mode a collect reads
-        (and counts problems with) every process's files."""
-        for spec in ALL_METRICS:
-            yield Metric(spec.base_name, spec.help, spec.kind)
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self.source.collect():
-            created = family.name + "_created"
-            samples = [s for s in family.samples if s.name != created]
-            if len(samples) != len(family.samples):
-                family = _copy_family(family, samples)
-            yield family
-        if self.scraped is not None:
-            self.scraped.set()
-
-
-def _copy_family(family: Metric, samples: list) -> Metric:
-    copy = Metric(family.name, family.documentation, family.type, family.unit)
-    copy.samples = samples
-    return copy
 
 
 @dataclass
@@ -376,15 +346,14 @@ def serve(
     tls: TLSOptions | None = None,
     limits: ServerLimits | None = None,
 ) -> MetricsServer:
-    """Serve ``/metrics`` on ``host:port`` (loopback unless told otherwise; port 0 picks one).
+    """Serve ``registry`` (a sink's :meth:`PrometheusSink.serving_registry`) as
+    ``/metrics`` on ``host:port`` (loopback unless told otherwise; port 0 picks one).
 
-    ``_created`` samples are left out (see :meth:`PrometheusSink.serving_registry`).
     TLSConfigError (one line) for TLS files that cannot be used; OSError for a busy port.
     """
     context = tls_context(tls) if tls is not None and tls.enabled else None
     scraped = threading.Event()
-    served = registry if isinstance(registry, _ServedRegistry) else without_created(registry)
-    endpoint = start_endpoint(served, host, port, tls=context,
+    endpoint = start_endpoint(registry, host, port, tls=context,
                               limits=limits, on_page=scraped.set)
     return MetricsServer(endpoint, scraped)
 

@@ -17,6 +17,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement
 
 log = logging.getLogger("kvmetrics.guard")
@@ -71,11 +72,14 @@ class Violation:
 
 
 def check_increment(inc: CounterIncrement, step: int) -> Violation | None:
-    """Return the violation an increment would cause, or None if it is safe to apply.
+    """Return the violation an increment would cause, or None if it is safe to apply."""
+    return guard_increment(inc, step)[1]
 
-    Total: whatever ``inc.amount`` and ``inc.label_values`` hold, this returns and
-    never raises. Use :func:`amount_of` for the float to add once this returned None.
-    """
+
+def guard_increment(inc: CounterIncrement, step: int) -> tuple[float, Violation | None]:
+    """``(amount as a float, None)`` for an increment safe to apply, else ``(nan, the
+    violation)``. Total: whatever ``inc.amount`` and ``inc.label_values`` hold, this
+    returns and never raises."""
     amount, reason = classify_amount(inc.amount)
     if reason is None:
         try:
@@ -83,19 +87,15 @@ def check_increment(inc: CounterIncrement, step: int) -> Violation | None:
         except Exception:  # a label value whose == raises (an array, say)
             reason = "label values that cannot be compared"
         if reason is not None:
-            return Violation(inc.spec.name, "bad_labels", step,
-                             f"labels {_short(inc.label_values)}: {reason}", inc.request_id)
-        return None
+            return math.nan, Violation(inc.spec.name, "bad_labels", step,
+                                       f"labels {_short(inc.label_values)}: {reason}",
+                                       inc.request_id)
+        return amount, None
     detail = f"amount {_short(inc.amount)}"
     if reason == "negative":
         labels = dict(zip(inc.spec.labels, inc.label_values, strict=False))
         detail += f" labels {labels}"
-    return Violation(inc.spec.name, reason, step, detail, inc.request_id)
-
-
-def amount_of(inc: CounterIncrement) -> float:
-    """The accepted amount as a float (only for increments check_increment accepted)."""
-    return classify_amount(inc.amount)[0]
+    return math.nan, Violation(inc.spec.name, reason, step, detail, inc.request_id)
 
 
 def classify_amount(amount: object) -> tuple[float, str | None]:
@@ -107,9 +107,28 @@ def classify_amount(amount: object) -> tuple[float, str | None]:
     for a float (``overflow``), NaN and infinities (``non_finite``), amounts below
     zero (``negative``).
     """
-    if isinstance(amount, bool) or type(amount).__name__ == "bool_" or \
+    kind = type(amount)
+    if kind is float:  # the common cases first: no ABC check, no conversion
+        value = amount  # type: ignore[assignment]
+    elif kind is int and -_EXACT_INT < amount < _EXACT_INT:  # type: ignore[operator]
+        value = float(amount)  # type: ignore[arg-type]
+    elif isinstance(amount, bool) or kind.__name__ == "bool_" or \
             not isinstance(amount, numbers.Real):
         return math.nan, "not_a_number"
+    else:
+        return _convert(amount)
+    if value != value or value in _INFINITIES:
+        return math.nan, "non_finite"
+    if value < 0:
+        return math.nan, "negative"
+    return value + 0.0, None  # -0.0 -> 0.0
+
+
+_EXACT_INT = 2**53
+_INFINITIES = (math.inf, -math.inf)
+
+
+def _convert(amount: numbers.Real) -> tuple[float, str | None]:
     try:
         value = float(amount)
     except OverflowError:
@@ -126,6 +145,9 @@ def classify_amount(amount: object) -> tuple[float, str | None]:
 def _label_problem(inc: CounterIncrement) -> str | None:
     """Why the increment's own label values cannot be a series of its family, or None."""
     values = inc.label_values
+    valid = _VALID_LABEL_SETS.get(inc.spec.name)
+    if valid is not None and type(values) is tuple and values in valid:
+        return None  # the common case: one hash lookup
     allowed = inc.spec.labels
     if not isinstance(values, tuple) or len(values) != len(allowed):
         return f"expected {len(allowed)} values ({', '.join(allowed)})"
@@ -133,6 +155,11 @@ def _label_problem(inc: CounterIncrement) -> str | None:
         if value not in choices:
             return f"{name}={_short(value)} is not one of the catalogue's values"
     return None
+
+
+#: Every label tuple each counter family may have (all of their labels are enumerable).
+_VALID_LABEL_SETS: dict[str, frozenset[tuple[str, ...]]] = {
+    spec.name: frozenset(cat.bounded_label_sets(spec)) for spec in cat.COUNTERS}
 
 
 def _short(value: object, limit: int = 80) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from kvmetrics import __version__
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import GaugeReadings, StepEvents
-from kvmetrics.metrics.guard import Violation, amount_of, check_increment, report
+from kvmetrics.metrics.guard import Violation, guard_increment, report
 from kvmetrics.metrics.invariants import InvariantChecker
 from kvmetrics.metrics.sink import MetricSink
 from kvmetrics.metrics.totals import Totals
@@ -65,9 +65,9 @@ class MetricsPipeline:
         """Apply one step's events. Safe to call from inside an engine loop."""
         step = events.step
         for inc in events.increments:
-            violation = check_increment(inc, step)
+            amount, violation = guard_increment(inc, step)
             if violation is None:
-                violation = self._apply(inc.spec, inc.label_values, amount_of(inc), step,
+                violation = self._apply(inc.spec, inc.label_values, amount, step,
                                         inc.request_id)
             if violation is not None:
                 self._violate(violation)
