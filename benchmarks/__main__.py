@@ -10,8 +10,8 @@ import time
 
 from benchmarks.common import Row, render
 
-MODULES = ("bench_exporter", "bench_reference", "bench_dataplane", "bench_vllm", "bench_lab",
-           "bench_soak", "bench_serve")
+MODULES = ("bench_exporter", "bench_endpoint", "bench_reference", "bench_dataplane",
+           "bench_vllm", "bench_lab", "bench_soak", "bench_serve")
 
 
 def main() -> int:
