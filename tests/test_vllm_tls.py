@@ -86,3 +86,17 @@ def test_unusable_label_values_refuse_the_engine_start(change: dict, needle: str
     with pytest.raises(ValueError) as caught:
         failing_engine({"metrics_addr": "127.0.0.1:0", **change})
     assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_bound_port_is_written_for_port_zero(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    port_file = tmp_path / "port"
+    monkeypatch.setenv("KVMETRICS_METRICS_PORT_FILE", str(port_file))
+    engine = failing_engine({"metrics_addr": "127.0.0.1:0"})
+    try:
+        port = int(port_file.read_text())
+        assert port == engine.scheduler.kvmetrics_exporter.server.port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert b"kvmetrics_build_info" in r.read()
+    finally:
+        engine.close()

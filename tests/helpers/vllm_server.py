@@ -151,6 +151,7 @@ class VllmServer:
         self.kvmetrics_port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = self.workdir / f"{name}.log"
+        self.port_file = self.workdir / f"{name}.kvmetrics-port"
         self.started_s = 0.0
         self.t0 = time.monotonic()
         #: Every scrape of either endpoint (bounded: the newest 2,000).
@@ -187,15 +188,21 @@ class VllmServer:
             "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
             "KVMETRICS_MODEL_NAME": "tiny",
         })
-        env["KVMETRICS_METRICS_ADDR"] = (f"127.0.0.1:{self.kvmetrics_port}"
-                                         if self.spec.kvmetrics_endpoint else "off")
+        # Port 0: the EngineCore binds any free port and writes it to a file. A port
+        # picked here beforehand could be taken by something else (one of vLLM's own
+        # listeners, say) in the minute before the EngineCore binds it; kvmetrics would
+        # then serve nothing and every scrape would go to that other listener.
+        env["KVMETRICS_METRICS_ADDR"] = ("127.0.0.1:0" if self.spec.kvmetrics_endpoint
+                                         else "off")
+        env["KVMETRICS_METRICS_PORT_FILE"] = str(self.port_file)
         env.update(self.spec.env)
         return env
 
     def start(self, timeout: float = 240.0) -> VllmServer:
         """Start and wait until ``/health`` answers (raises ServerError with the log tail)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port, self.kvmetrics_port = free_port(), free_port()
+        self.port, self.kvmetrics_port = free_port(), 0
+        self.port_file.unlink(missing_ok=True)
         t0 = time.monotonic()
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
@@ -214,13 +221,31 @@ class VllmServer:
                 raise ServerError(f"{self.name} not healthy after {timeout:g} s:\n"
                                   f"{self.log_tail()}")
             time.sleep(0.5)
+        if self.spec.kvmetrics_endpoint and self.spec.scheduler_cls and \
+                "KVMETRICS_METRICS_ADDR" not in self.spec.env:
+            self.kvmetrics_port = self._bound_kvmetrics_port(deadline)
         self.started_s = time.monotonic() - t0
         return self
+
+    def _bound_kvmetrics_port(self, deadline: float) -> int:
+        """The port the EngineCore's kvmetrics endpoint bound (written before the
+        engine reports ready, so normally there at once)."""
+        while True:
+            text = self.port_file.read_text().strip() if self.port_file.exists() else ""
+            if text.isdigit():
+                return int(text)
+            if time.monotonic() > deadline or self.process is None \
+                    or self.process.poll() is not None:
+                self.stop()
+                raise ServerError(f"{self.name}: the kvmetrics endpoint never reported its "
+                                  f"port:\n{self.log_tail()}")
+            time.sleep(0.1)
 
     def run_to_exit(self, timeout: float = 240.0) -> int:
         """Start a server expected to fail at start-up; its exit code (it never got healthy)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.port, self.kvmetrics_port = free_port(), free_port()
+        self.port, self.kvmetrics_port = free_port(), 0
+        self.port_file.unlink(missing_ok=True)
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -26,6 +26,8 @@ KVMETRICS_TLS_CERT          tls_cert            serve HTTPS with this PEM
 KVMETRICS_TLS_KEY           tls_key             its PEM private key
 KVMETRICS_TLS_CLIENT_CA     tls_client_ca       require client certificates
                                                 signed by this CA (mutual TLS)
+KVMETRICS_METRICS_PORT_FILE -                   write the port bound there (for
+                                                port 0: any free port)
 ==========================  ==================  ==================================
 
 An unknown key under ``additional_config["kvmetrics"]`` stops the engine at startup
@@ -200,6 +202,25 @@ def endpoint_for(settings: ExportSettings) -> tuple[str, int] | None:
     return host, port
 
 
+def _write_port_file(port: int) -> None:
+    """With ``KVMETRICS_METRICS_PORT_FILE`` set, write the port actually bound there.
+
+    For ``metrics_addr`` port 0 (any free port): whoever scrapes learns the port from
+    the engine that bound it, instead of picking a free port beforehand and hoping
+    that nothing else takes it before the EngineCore binds it, a minute later.
+    """
+    path = os.environ.get("KVMETRICS_METRICS_PORT_FILE")
+    if not path:
+        return
+    try:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        log.error("kvmetrics: cannot write KVMETRICS_METRICS_PORT_FILE %s: %s", path, e)
+
+
 def build_exporter(settings: ExportSettings) -> Exporter:
     """A pipeline with a Prometheus sink (own registry), its endpoint and OTLP if asked.
 
@@ -230,6 +251,7 @@ def build_exporter(settings: ExportSettings) -> Exporter:
             log.info("kvmetrics: serving metrics on %s://%s:%d/metrics",
                      "https" if settings.tls else "http",
                      exporter.server.host, exporter.server.port)
+            _write_port_file(exporter.server.port)
     except Exception:
         log.exception("kvmetrics: cannot serve metrics on %s; continuing without an endpoint",
                       settings.metrics_addr)
