@@ -137,6 +137,10 @@ class HTTPEndpoint:
             self.server.close()
             for writer in list(self.connections):
                 writer.transport.abort()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self.server.wait_closed()
 
         if self.loop.is_closed():
