@@ -165,7 +165,9 @@ def start_endpoint(collector: Collector, host: str, port: int,
     limits = limits or ServerLimits()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=limits.backlog)
-    loop = asyncio.new_event_loop()
+    # The stdlib loop, whatever event-loop policy the host process installed (uvloop,
+    # say): its behaviour under the limits above is what the tests pin down.
+    loop = asyncio.SelectorEventLoop()
     pool = ThreadPoolExecutor(limits.render_threads, thread_name_prefix="kvmetrics-render")
     stats = _Stats()
     connections: set[asyncio.StreamWriter] = set()
