@@ -41,6 +41,8 @@ UPSTREAM = {
     "async-rollback-in-flight": ["vllm-project/vllm#45138", "vllm-project/vllm#45146",
                                  "vllm-project/vllm#49252", "vllm-project/vllm#53298",
                                  "vllm-project/vllm#56733"],
+    "async-sharer-in-flight": ["vllm-project/vllm#26813", "vllm-project/vllm#53298",
+                               "vllm-project/vllm#56733"],
 }
 
 PROTECTED = Target("kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler",
@@ -73,6 +75,13 @@ def test_vllm_check_reports_the_known_defects_of_the_installed_vllm() -> None:
     assert {d["id"]: d["upstream"] for d in defects} == UPSTREAM
     assert all(set(d) >= {"id", "present", "summary", "upstream"} and d["summary"]
                for d in defects)
+    # Each says when it bites: policy, scheduling mode, kind of load, regime, connectors.
+    for d in defects:
+        severity = d["severity"]
+        assert severity["policy"] in ("recompute", "fail", "both"), d["id"]
+        assert severity["scheduling"] in ("any", "async"), d["id"]
+        assert severity["loads"] in ("sync", "async"), d["id"]
+        assert severity["regime"] and severity["connectors"], d["id"]
 
 
 def test_the_table_names_every_defect_and_bad_ids_get_one_line(
@@ -125,6 +134,9 @@ def test_a_canary_that_cannot_run_on_this_vllm_says_why(monkeypatch: pytest.Monk
 
 
 def test_the_docs_carry_each_patch_and_a_section_per_defect() -> None:
+    from kvmetrics.integrations.vllm.defect_regimes import SEVERITY
+
+    assert sorted(SEVERITY) == sorted(IDS)
     doc = (REPO / "docs" / "vllm-defects.md").read_text()
     for defect in DEFECTS:
         assert f"## `{defect.id}`" in doc
