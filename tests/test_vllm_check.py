@@ -182,3 +182,34 @@ def test_each_documented_reproduction_fails_on_vllm_and_passes_with_its_patch(
     target = patched_target([PATCHES / f"{defect_id}.diff"], tmp_path / "vllm-copy")
     monkeypatch.setattr(upstream_utils, "SCHEDULERS", (target.scheduler, target.async_scheduler))
     _run_reproduction(code, where)
+
+
+def test_the_aborted_owner_patch_records_only_sync_loads_in_flight(tmp_path: Path) -> None:
+    """The patch keeps a record only between a sync load's scheduling and its output
+    (a maintainer's review: not every request that ends with tokens in flight), and
+    under async scheduling it still evicts what the aborted request computed."""
+    target = patched_target([PATCHES / "aborted-owner-keeps-failed-block.diff"], tmp_path)
+    canaries._target = target
+    try:
+        b = canaries.bench("fail", async_scheduling=True)
+    finally:
+        canaries._target = canaries.VLLM
+    b.add("plain", canaries.prompt(9_000, 40), max_tokens=8)  # no external tokens
+    b.add("a", canaries.P, offer=48)
+    s1 = b.sched.schedule()
+    assert set(b.sched.sync_loads_in_flight) == {"a"}
+    e1 = b.execute(s1)
+    s2 = b.sched.schedule()  # both decode ahead of step 1's output
+    e2 = b.execute(s2)
+    b.sched.finish_requests(["plain", "a"], canaries._status("FINISHED_ABORTED"))
+    # plain also ended with a step in flight, but loaded nothing: no record.
+    assert set(b.sched.sync_loads_in_flight) == {"a"}
+    assert b.sched.sync_loads_in_flight["a"][1] is not None  # a's table, kept
+    failed = b.sched.sync_loads_in_flight["a"][1][1]
+    b.update(e1, invalid={failed})
+    assert b.sched.sync_loads_in_flight == {}  # gone with its load step's output
+    b.update(e2)
+    assert not b.hashed(failed)
+    b.add("c", canaries.P)
+    hit, _ = canaries._hit(b, b.sched.schedule(), "c")
+    assert hit == canaries.BLOCK  # stops before the failed block
