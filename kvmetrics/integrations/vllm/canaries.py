@@ -197,13 +197,15 @@ class Step:
 
 
 def bench(policy: str = "recompute", num_gpu_blocks: int = 64, *, async_scheduling: bool = False,
-          long_prefill_token_threshold: int = 0) -> Bench:
+          long_prefill_token_threshold: int = 0, max_model_len: int = 1024,
+          max_num_batched_tokens: int = 256) -> Bench:
     """vLLM's own scheduler with the scripted connector (``kv_both``) and vLLM's defaults."""
     from kvmetrics.engine.config import SchedulerConfig
     from kvmetrics.integrations.vllm import builder
 
     config = SchedulerConfig(block_size=BLOCK, num_gpu_blocks=num_gpu_blocks, max_num_seqs=8,
-                             max_num_batched_tokens=256, max_model_len=1024,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len,
                              kv_load_failure_policy=policy, async_scheduling=async_scheduling,
                              long_prefill_token_threshold=long_prefill_token_threshold)
     connector = builder.ConnectorSpec(name=ScriptedConnector.__name__, module_path=__name__)
