@@ -213,3 +213,14 @@ def test_the_aborted_owner_patch_records_only_sync_loads_in_flight(tmp_path: Pat
     b.add("c", canaries.P)
     hit, _ = canaries._hit(b, b.sched.schedule(), "c")
     assert hit == canaries.BLOCK  # stops before the failed block
+
+
+def test_repro_prints_each_reproduction_as_one_file(capsys: pytest.CaptureFixture[str]) -> None:
+    documented = _reproductions()
+    for defect_id in IDS:
+        assert main(["vllm-check", "--repro", defect_id]) == 0
+        printed = capsys.readouterr().out
+        assert printed.startswith(f"# {defect_id}: save as tests/v1/kv_connector/unit/")
+        assert documented[defect_id] in printed
+    assert main(["vllm-check", "--repro", "no-such-defect"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
