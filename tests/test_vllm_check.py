@@ -41,6 +41,8 @@ UPSTREAM = {
     "async-rollback-in-flight": ["vllm-project/vllm#45138", "vllm-project/vllm#45146",
                                  "vllm-project/vllm#49252", "vllm-project/vllm#53298",
                                  "vllm-project/vllm#56733"],
+    "async-sharer-in-flight": ["vllm-project/vllm#26813", "vllm-project/vllm#53298",
+                               "vllm-project/vllm#56733"],
 }
 
 PROTECTED = Target("kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler",
@@ -73,6 +75,13 @@ def test_vllm_check_reports_the_known_defects_of_the_installed_vllm() -> None:
     assert {d["id"]: d["upstream"] for d in defects} == UPSTREAM
     assert all(set(d) >= {"id", "present", "summary", "upstream"} and d["summary"]
                for d in defects)
+    # Each says when it bites: policy, scheduling mode, kind of load, regime, connectors.
+    for d in defects:
+        severity = d["severity"]
+        assert severity["policy"] in ("recompute", "fail", "both"), d["id"]
+        assert severity["scheduling"] in ("any", "async"), d["id"]
+        assert severity["loads"] in ("sync", "async"), d["id"]
+        assert severity["regime"] and severity["connectors"], d["id"]
 
 
 def test_the_table_names_every_defect_and_bad_ids_get_one_line(
@@ -125,6 +134,9 @@ def test_a_canary_that_cannot_run_on_this_vllm_says_why(monkeypatch: pytest.Monk
 
 
 def test_the_docs_carry_each_patch_and_a_section_per_defect() -> None:
+    from kvmetrics.integrations.vllm.defect_regimes import SEVERITY
+
+    assert sorted(SEVERITY) == sorted(IDS)
     doc = (REPO / "docs" / "vllm-defects.md").read_text()
     for defect in DEFECTS:
         assert f"## `{defect.id}`" in doc
@@ -170,3 +182,45 @@ def test_each_documented_reproduction_fails_on_vllm_and_passes_with_its_patch(
     target = patched_target([PATCHES / f"{defect_id}.diff"], tmp_path / "vllm-copy")
     monkeypatch.setattr(upstream_utils, "SCHEDULERS", (target.scheduler, target.async_scheduler))
     _run_reproduction(code, where)
+
+
+def test_the_aborted_owner_patch_records_only_sync_loads_in_flight(tmp_path: Path) -> None:
+    """The patch keeps a record only between a sync load's scheduling and its output
+    (a maintainer's review: not every request that ends with tokens in flight), and
+    under async scheduling it still evicts what the aborted request computed."""
+    target = patched_target([PATCHES / "aborted-owner-keeps-failed-block.diff"], tmp_path)
+    canaries._target = target
+    try:
+        b = canaries.bench("fail", async_scheduling=True)
+    finally:
+        canaries._target = canaries.VLLM
+    b.add("plain", canaries.prompt(9_000, 40), max_tokens=8)  # no external tokens
+    b.add("a", canaries.P, offer=48)
+    s1 = b.sched.schedule()
+    assert set(b.sched.sync_loads_in_flight) == {"a"}
+    e1 = b.execute(s1)
+    s2 = b.sched.schedule()  # both decode ahead of step 1's output
+    e2 = b.execute(s2)
+    b.sched.finish_requests(["plain", "a"], canaries._status("FINISHED_ABORTED"))
+    # plain also ended with a step in flight, but loaded nothing: no record.
+    assert set(b.sched.sync_loads_in_flight) == {"a"}
+    assert b.sched.sync_loads_in_flight["a"][1] is not None  # a's table, kept
+    failed = b.sched.sync_loads_in_flight["a"][1][1]
+    b.update(e1, invalid={failed})
+    assert b.sched.sync_loads_in_flight == {}  # gone with its load step's output
+    b.update(e2)
+    assert not b.hashed(failed)
+    b.add("c", canaries.P)
+    hit, _ = canaries._hit(b, b.sched.schedule(), "c")
+    assert hit == canaries.BLOCK  # stops before the failed block
+
+
+def test_repro_prints_each_reproduction_as_one_file(capsys: pytest.CaptureFixture[str]) -> None:
+    documented = _reproductions()
+    for defect_id in IDS:
+        assert main(["vllm-check", "--repro", defect_id]) == 0
+        printed = capsys.readouterr().out
+        assert printed.startswith(f"# {defect_id}: save as tests/v1/kv_connector/unit/")
+        assert documented[defect_id] in printed
+    assert main(["vllm-check", "--repro", "no-such-defect"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

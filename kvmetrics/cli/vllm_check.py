@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from kvmetrics.cli.common import Command, fail
@@ -22,9 +23,36 @@ def _add(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--only", metavar="ID", action="append",
                    help="run only this defect's canary (repeatable)")
+    p.add_argument("--repro", metavar="ID",
+                   help="print this defect's reproduction, a pytest file for vLLM's "
+                   "tests/v1/kv_connector/unit/ (from docs/vllm-defects.md), and exit")
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm-defects.md"
+
+
+def reproduction(defect_id: str, doc: Path = DOC) -> str | None:
+    """The defect's reproduction from docs/vllm-defects.md, as one file a vLLM
+    developer saves next to vLLM's own ``tests/v1/kv_connector/unit/utils.py``
+    (None if the doc has none for it)."""
+    text = doc.read_text(encoding="utf-8")
+    head = f"\n## `{defect_id}`\n"
+    if head not in text:
+        return None
+    section = text.split(head, 1)[1].split("\n## ", 1)[0]
+    if "**Reproduction.**" not in section:
+        return None
+    code = section.split("**Reproduction.**", 1)[1].split("```python\n", 1)[1]
+    name = defect_id.replace("-", "_")
+    return (f"# {defect_id}: save as tests/v1/kv_connector/unit/test_{name}.py in a vLLM\n"
+            f"# checkout and run `pytest -q` on it; it fails on an affected vLLM at the line\n"
+            f"# marked with vLLM 0.33.0's result. See docs/vllm-defects.md of kvmetrics.\n"
+            + code.split("\n```", 1)[0] + "\n")
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.repro is not None:
+        return _print_reproduction(args.repro)
     # vLLM logs every recovery it runs; the canaries make it recover on purpose.
     loggers = [logging.getLogger(name) for name in ("vllm", "kvmetrics")]
     levels = [logger.level for logger in loggers]
@@ -36,6 +64,21 @@ def _run(args: argparse.Namespace) -> int:
     finally:  # an in-process caller keeps its logging
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+def _print_reproduction(defect_id: str) -> int:
+    from kvmetrics.integrations.vllm.defect_regimes import SEVERITY
+
+    if defect_id not in SEVERITY:
+        return fail(f"unknown defect {defect_id!r} (choose from {', '.join(SEVERITY)})")
+    if not DOC.is_file():
+        return fail(f"{DOC.name} not found next to this kvmetrics: --repro needs a source "
+                    "checkout of kvmetrics")
+    code = reproduction(defect_id)
+    if code is None:
+        return fail(f"docs/vllm-defects.md has no reproduction for {defect_id!r}")
+    print(code, end="")
+    return 0
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -80,4 +123,5 @@ COMMAND = Command(
         "kvmetrics vllm-check                      # a table",
         "kvmetrics vllm-check --json               # for scripts: present true/false/null",
         "kvmetrics vllm-check --only async-load-stall",
+        "kvmetrics vllm-check --repro async-sharer-in-flight > test_async_sharer.py",
     ))

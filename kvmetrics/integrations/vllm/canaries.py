@@ -62,8 +62,12 @@ class CanaryResult:
     detail: str = ""
 
     def as_dict(self) -> dict[str, Any]:
+        from kvmetrics.integrations.vllm.defect_regimes import SEVERITY
+
+        severity = SEVERITY.get(self.id)
         return {"id": self.id, "present": self.present, "summary": self.summary,
-                "upstream": list(self.upstream), "detail": self.detail}
+                "upstream": list(self.upstream), "detail": self.detail,
+                "severity": severity.as_dict() if severity is not None else None}
 
 
 # -- the scripted connector ------------------------------------------------------------
@@ -193,13 +197,15 @@ class Step:
 
 
 def bench(policy: str = "recompute", num_gpu_blocks: int = 64, *, async_scheduling: bool = False,
-          long_prefill_token_threshold: int = 0) -> Bench:
+          long_prefill_token_threshold: int = 0, max_model_len: int = 1024,
+          max_num_batched_tokens: int = 256) -> Bench:
     """vLLM's own scheduler with the scripted connector (``kv_both``) and vLLM's defaults."""
     from kvmetrics.engine.config import SchedulerConfig
     from kvmetrics.integrations.vllm import builder
 
     config = SchedulerConfig(block_size=BLOCK, num_gpu_blocks=num_gpu_blocks, max_num_seqs=8,
-                             max_num_batched_tokens=256, max_model_len=1024,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len,
                              kv_load_failure_policy=policy, async_scheduling=async_scheduling,
                              long_prefill_token_threshold=long_prefill_token_threshold)
     connector = builder.ConnectorSpec(name=ScriptedConnector.__name__, module_path=__name__)
@@ -361,6 +367,30 @@ def async_rollback_in_flight() -> tuple[bool, str]:
     return bool(kept) or leftover > 0, detail
 
 
+def async_sharer_in_flight() -> tuple[bool, str]:
+    b = bench("recompute", async_scheduling=True)
+    b.add("a", P, offer=48)
+    s1 = b.sched.schedule()  # step n: a's sync load and its last prefill chunk
+    e1 = b.execute(s1)
+    c = b.add("c", P)
+    s2 = b.sched.schedule()  # step n+1, before step n's output: c hits a's fresh blocks
+    failed = b.blocks("a")[1]
+    hit, blocks = _hit(b, s2, "c")
+    expect(failed in blocks and "c" not in s1.num_scheduled_tokens,
+           "c, admitted in step n+1, hits a's freshly loaded blocks")
+    e2 = b.execute(s2)  # c's last prefill chunk, computed over the failed block
+    b.update(e1, invalid={failed})
+    kept_count = c.num_computed_tokens
+    b.update(e2)
+    kept = list(c.output_token_ids)
+    detail = (f"c, admitted in step n+1 with a {hit}-token local hit on a's fresh blocks, "
+              f"sampled a token over a's failed block {failed} in step n+1; when step n "
+              f"reports the failure c was not in it, so it keeps {kept_count} tokens as "
+              f"computed, and its in-flight token is "
+              f"{'delivered: ' + str(kept) if kept else 'discarded'}")
+    return bool(kept), detail
+
+
 def aborted_owner_keeps_failed_block() -> tuple[bool, str]:
     b = bench("fail")  # vLLM's default policy
     b.add("a", P, offer=48)
@@ -419,6 +449,12 @@ DEFECTS: tuple[Defect, ...] = (
            "keeps the output of the step already scheduled over the failed block",
            ("vllm-project/vllm#45138", "vllm-project/vllm#45146", "vllm-project/vllm#49252",
             "vllm-project/vllm#53298", "vllm-project/vllm#56733"), async_rollback_in_flight),
+    Defect("async-sharer-in-flight",
+           "async scheduling: a request admitted in the step after a sync load, with a "
+           "local hit on the freshly loaded blocks, is not rolled back when a block fails "
+           "and its token computed over the failed block is delivered",
+           ("vllm-project/vllm#26813", "vllm-project/vllm#53298", "vllm-project/vllm#56733"),
+           async_sharer_in_flight),
 )
 
 
