@@ -30,6 +30,7 @@ from dashboards.queries import (
     sel,
     sum_rate,
     target_sel,
+    vllm_sum_rate,
 )
 from kvmetrics.metrics import catalogue as c
 
@@ -207,6 +208,41 @@ def kv_loads_and_recovery() -> Panels:
     ]
 
 
+def vllm_cross_check() -> Panels:
+    """vLLM's own connector series, per replica, for the operator's check that vLLM
+    and kvmetrics count the same traffic (docs/connectors.md lists the pairs)."""
+    hits, queries, nixl_failed, nixl_expired = (s.name for s in c.VLLM_SERIES)
+    by = ("replica",)
+    return [
+        p.time_series(
+            "External prefix hits (vLLM's count)",
+            "vLLM's API server's count of prompt tokens looked up and found through the KV "
+            "connector, per second and replica: equals kvmetrics' external hits of all "
+            "admissions (\"Prefix lookups\", hit external). vLLM's endpoint is another "
+            "target than kvmetrics', so the Replica filter does not apply; the `replica` "
+            "target label (deploy/prometheus/prometheus.yml) names the lines.",
+            p.TOKENS_PER_S,
+            [
+                (vllm_sum_rate(queries, by=by), "queried {{replica}}"),
+                (vllm_sum_rate(hits, by=by), "hit {{replica}}"),
+            ],
+            width=12,
+        ),
+        p.time_series(
+            "NIXL failed transfers and expired leases (vLLM's count)",
+            "vLLM's NIXL counters, only where a NixlConnector runs: transfers that failed "
+            "(compare with \"Requests hit by failed loads\") and KV leases a prefill "
+            "server let expire unclaimed (decode requests that never came).",
+            p.REQ_PER_S,
+            [
+                (vllm_sum_rate(nixl_failed, by=by), "failed transfers {{replica}}"),
+                (vllm_sum_rate(nixl_expired, by=by), "expired leases {{replica}}"),
+            ],
+            width=12,
+        ),
+    ]
+
+
 def evictions() -> Panels:
     turnover = ratio(f"{sum_rate(_EVICTED, by=_REPLICA, cause='capacity')} * 300",
                      f"sum by ({', '.join(_REPLICA)}) ({sel(c.KV_CACHE_BLOCKS.name)})")
@@ -343,6 +379,7 @@ def exporter_health() -> Panels:
 ROWS: tuple[tuple[str, Callable[[], Panels]], ...] = (
     ("Prefix caching", prefix_caching),
     ("KV loads and recovery", kv_loads_and_recovery),
+    ("vLLM's own connector series", vllm_cross_check),
     ("Evictions", evictions),
     ("Scheduler state", scheduler_state),
     ("Data-plane verification", verification),

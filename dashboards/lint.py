@@ -24,15 +24,20 @@ import promql_parser as pp
 
 from kvmetrics.metrics import catalogue
 
-#: Labels Prometheus (or a prometheus-operator PodMonitor) attaches to scraped series.
-TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod"})
+#: Labels Prometheus (or a prometheus-operator PodMonitor) attaches to scraped series;
+#: ``replica`` is the target label deploy/prometheus/prometheus.yml gives both
+#: endpoints of one vLLM replica (kvmetrics' and vLLM's own) so panels can pair them.
+TARGET_LABELS = frozenset({"job", "instance", "namespace", "pod", "replica"})
 #: Functions after which a counter's value is a rate over a window, not a lifetime total.
 RANGE_FUNCTIONS = frozenset({"rate", "irate", "increase", "resets"})
 #: Functions whose argument must be a counter.
 COUNTER_FUNCTIONS = frozenset({"rate", "irate", "increase"})
 
+#: kvmetrics' series, and vLLM's own that the dashboards show beside them
+#: (``catalogue.VLLM_SERIES``, the allow-list of vLLM names).
 _FAMILY: dict[str, catalogue.MetricSpec] = {
-    name: spec for spec in catalogue.ALL_METRICS for name in spec.series_names()
+    name: spec for spec in (*catalogue.ALL_METRICS, *catalogue.VLLM_SERIES)
+    for name in spec.series_names()
 }
 #: Every label a kvmetrics series (or a scrape) can carry.
 KNOWN_LABELS = frozenset(

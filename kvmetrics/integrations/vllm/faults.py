@@ -43,8 +43,25 @@ connector interface is forwarded to it. The wrapper only adds:
 
 Every setting is checked when vLLM builds the connector (scheduler and workers);
 a bad one raises :class:`FaultConfigError`, a one-line message naming the key,
-and the server stops at start-up. The wrapper does not declare hybrid-allocator
-support, so vLLM turns the hybrid KV cache manager off when it is used.
+and the server stops at start-up.
+
+**Invisible but for its faults.** vLLM decides things from the connector *class*,
+before any connector exists and in processes that never build one: whether the
+hybrid KV cache manager stays on (``SupportsHMA``; NIXL puts that flag in the
+compatibility hash its peers compare), which stats class rebuilds the workers'
+transfer stats in the API server (the periodic "KV Transfer metrics" lines), which
+Prometheus series the connector adds, where cache hits come from. A class cannot
+read ``inner_connector`` out of a config it is never shown, so the wrapper for a
+connector registered with vLLM is named after it: ``FaultInjectingNixlConnector``,
+``FaultInjectingLMCacheMPConnector``, ... (``FaultInjecting`` + the registered
+name; ``inner_connector`` may then be left out). Such a class is built on first
+lookup, the same in every process, by :func:`mirrored_connector`: it declares every
+optional interface the inner class declares and answers vLLM's class-level
+questions with the inner class's answers. The plain ``FaultInjectingConnector``
+(needed for a connector loaded from ``inner_module_path``) declares none, so vLLM
+treats it as a connector without them; it logs a warning naming the mirrored class
+when the inner connector has some. The mirrored classes are built in
+:mod:`kvmetrics.integrations.vllm.fault_mirror`.
 """
 
 from __future__ import annotations
@@ -120,8 +137,8 @@ def _inner_class(kv_transfer_config: Any, settings: FaultSettings) -> type[KVCon
     return cls
 
 
-def _settings_from(kv_transfer_config: Any) -> FaultSettings:
-    return parse_settings(getattr(kv_transfer_config, "kv_connector_extra_config", None))
+def _extra(kv_transfer_config: Any) -> Any:
+    return getattr(kv_transfer_config, "kv_connector_extra_config", None)
 
 
 #: Methods the wrapper implements itself; every other public method of vLLM's
@@ -144,14 +161,33 @@ class FaultInjectingConnector(KVConnectorBase_V1):
     #: The inner connector class last resolved in this process (for the classmethods
     #: that get no config, e.g. ``build_kv_connector_stats``).
     _last_inner_class: type[KVConnectorBase_V1] | None = None
+    #: The registered connector a mirrored class wraps (None: read ``inner_connector``).
+    _wrapped_name: str | None = None
+
+    @classmethod
+    def parse(cls, extra: Any) -> FaultSettings:
+        """This class's settings from ``kv_connector_extra_config``."""
+        fixed = cls._wrapped_name
+        if fixed is not None:
+            extra = dict(extra or {})
+            given = extra.setdefault("inner_connector", fixed)
+            if given != fixed:
+                raise fail("inner_connector", f"{cls.__name__} wraps {fixed}, got {given!r}")
+            if extra.get("inner_module_path") is not None:
+                raise fail("inner_module_path", f"{cls.__name__} wraps vLLM's registered "
+                           f"{fixed}; use FaultInjectingConnector for a connector module")
+        return parse_settings(extra)
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.settings = _settings_from(self._kv_transfer_config)
+        self.settings = self.parse(_extra(self._kv_transfer_config))
         self.plan = FaultPlan(self.settings)
         cls = _inner_class(self._kv_transfer_config, self.settings)
         FaultInjectingConnector._last_inner_class = cls
+        from kvmetrics.integrations.vllm.fault_mirror import warn_if_not_mirrored
+
+        warn_if_not_mirrored(type(self), cls, self.settings)
         self._inner = cls(_inner_vllm_config(vllm_config, self.settings), role,
                           kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -344,19 +380,19 @@ class FaultInjectingConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        settings = _settings_from(vllm_config.kv_transfer_config)
+        settings = cls.parse(_extra(vllm_config.kv_transfer_config))
         inner = _inner_class(vllm_config.kv_transfer_config, settings)
         return inner.get_required_kvcache_layout(_inner_vllm_config(vllm_config, settings))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        settings = parse_settings(extra_config)
+        settings = cls.parse(extra_config)
         inner = KVConnectorFactory.get_connector_class(_InnerOnly(settings))
         return bool(inner.requires_piecewise_for_cudagraph(dict(settings.inner_extra_config)))
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        settings = _settings_from(kv_transfer_config)
+        settings = cls.parse(_extra(kv_transfer_config))
         inner = _inner_class(kv_transfer_config, settings)
         check = getattr(inner, "supports_sleep_mode", None)
         return True if check is None else bool(
@@ -369,7 +405,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-        settings = _settings_from(vllm_config.kv_transfer_config)
+        settings = cls.parse(_extra(vllm_config.kv_transfer_config))
         inner = _inner_class(vllm_config.kv_transfer_config, settings)
         return inner.build_prom_metrics(_inner_vllm_config(vllm_config, settings),
                                         *args, **kwargs)
@@ -415,3 +451,11 @@ def _install_forwarders() -> None:
 
 
 _install_forwarders()
+
+
+def __getattr__(name: str) -> Any:
+    """``FaultInjecting<registered connector>``: the mirrored class, built on first lookup
+    (see :mod:`kvmetrics.integrations.vllm.fault_mirror`)."""
+    from kvmetrics.integrations.vllm import fault_mirror
+
+    return fault_mirror.resolve(name)

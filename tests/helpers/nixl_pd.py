@@ -1,0 +1,97 @@
+"""NIXL prefill/decode on CPU with two real ``vllm serve`` processes, no proxy.
+
+    prefill, decode = pd_specs(decode_transfer=nixl_transfer(wrapped={"fault_rate": 0.3}))
+    servers = VllmServer(prefill, work, "prefill"), VllmServer(decode, work, "decode")
+    with started(*servers) as (p, d):
+        status, body = pd_complete(p, d, prompt, max_tokens=8)
+
+Both servers use vLLM's ``NixlConnector`` with a CPU transfer buffer; the decode side
+may be ``FaultInjectingNixlConnector`` (the wrapper that mirrors NIXL's interfaces,
+so the two sides' compatibility hashes agree). The client does what a P/D proxy
+does: the prompt goes to prefill with ``max_tokens`` 1 and ``do_remote_decode``, and
+the ``kv_transfer_params`` it returns go with the same prompt to decode, which pulls
+the KV over NIXL (UCX, loopback). Each side gets its own side-channel port on
+127.0.0.1. NIXL needs ``scripts/install-connectors.sh``; a missing install is an error
+naming it. Each NIXL worker keeps about one core busy (UCX progress thread): keep
+runs to a few prompts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tests.helpers.prometheus import free_port
+from tests.helpers.vllm_server import ServerError, ServerSpec, VllmServer, vllm_cpu_python
+
+#: What the prefill request carries: "keep the KV for a remote decode".
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+HASH_MISMATCH = "compatibility hash mismatch"
+
+
+def require_nixl() -> None:
+    probe = subprocess.run([str(vllm_cpu_python()), "-c", "from nixl._api import nixl_agent"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        raise ServerError(f"NIXL is not installed in the vllm-cpu venv ({last}): run "
+                          "`bash scripts/install-connectors.sh`")
+
+
+def nixl_transfer(policy: str = "recompute", wrapped: dict[str, Any] | None = None) -> dict:
+    """``--kv-transfer-config`` of one side; ``wrapped``: the fault settings of a
+    ``FaultInjectingNixlConnector`` around it."""
+    config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                              "kv_buffer_device": "cpu", "kv_load_failure_policy": policy}
+    if wrapped is not None:
+        config.update(kv_connector="FaultInjectingNixlConnector",
+                      kv_connector_module_path="kvmetrics.integrations.vllm.faults",
+                      kv_connector_extra_config=dict(wrapped))
+    return config
+
+
+def pd_specs(prefill_transfer: dict | None = None, decode_transfer: dict | None = None,
+             **common: Any) -> tuple[ServerSpec, ServerSpec]:
+    """Specs of a prefill and a decode server, each with its own NIXL side channel."""
+    specs = []
+    for transfer in (prefill_transfer or nixl_transfer(), decode_transfer or nixl_transfer()):
+        env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        specs.append(ServerSpec(kv_transfer=transfer, env=env, **common))
+    return specs[0], specs[1]
+
+
+@contextlib.contextmanager
+def started(*servers: VllmServer, timeout: float = 300.0) -> Iterator[tuple[VllmServer, ...]]:
+    """Start the servers side by side (start-up is mostly waiting on imports), stop
+    them all on the way out, also when one failed to start."""
+    require_nixl()
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            for future in [pool.submit(s.start, timeout) for s in servers]:
+                future.result()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def pd_complete(prefill: VllmServer, decode: VllmServer, prompt: list[int], max_tokens: int,
+                timeout: float = 180.0) -> tuple[int, dict[str, Any]]:
+    """One request through prefill then decode; (decode's HTTP status, its body)."""
+    status, first = prefill.post("/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": REMOTE_DECODE}, timeout=timeout)
+    if status != 200:
+        raise ServerError(f"prefill answered {status}: {first}")
+    params = first.get("kv_transfer_params")
+    if not params:
+        raise ServerError(f"prefill returned no kv_transfer_params: {first}")
+    return decode.post("/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params},
+        timeout=timeout)
