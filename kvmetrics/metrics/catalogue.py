@@ -80,8 +80,8 @@ INVARIANTS = (
     "recompute_within_rollback",  # recomputed after failures <= rolled back + discarded
     "counters_monotonic",         # every exported counter series is non-decreasing
 )
-#: The vLLM methods the instrumented scheduler hooks (the table in
-#: kvmetrics/integrations/vllm/hooks.py; a test keeps the two equal).
+#: The vLLM methods the instrumented scheduler hooks and the vLLM state it reads (the
+#: tables in kvmetrics/integrations/vllm/hooks.py; a test keeps them equal).
 HOOKS = (
     "scheduler.schedule", "scheduler.update_from_output", "scheduler._preempt_request",
     "scheduler._free_request", "scheduler._handle_invalid_blocks",
@@ -89,6 +89,11 @@ HOOKS = (
     "kv_cache_manager.record_prefix_cache_stats", "kv_cache_manager.evict_blocks",
     "kv_cache_manager.reset_prefix_cache", "block_pool._maybe_evict_cached_block",
     "connector.update_state_after_alloc",
+    # vLLM state the hooks read (integrations/vllm/hooks.py ATTRIBUTES).
+    "scheduler.requests", "scheduler.running", "scheduler.waiting",
+    "scheduler.kv_holding_waiting", "scheduler.recompute_kv_load_failures",
+    "kv_cache_manager.usage", "block_pool.num_gpu_blocks", "block_pool.blocks",
+    "kv_connector_output.invalid_block_ids", "kv_connector_output.finished_recving",
 )
 
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one

@@ -9,7 +9,7 @@ strict mode, which is what strict mode is for.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from kvmetrics import __version__
 from kvmetrics.metrics import catalogue as cat
@@ -38,8 +38,12 @@ class MetricsPipeline:
         recovery: str = "vllm",
         strict: bool = False,
         check_invariants: bool = True,
+        absent: Collection[str] = (),
     ) -> None:
         self.sinks = list(sinks)
+        #: Families the engine cannot compute (e.g. an unusable vLLM hook): never
+        #: created, never updated, so the page shows no series rather than a false 0.
+        self.absent = frozenset(absent)
         self.common = (model_name, engine)
         self.engine_kind = engine_kind
         #: Whose recovery path the engine runs (build info), so that a fleet can tell
@@ -81,7 +85,7 @@ class MetricsPipeline:
                     self._safely(sink, "set_gauges", self.common, g)
                 else:
                     self._set_each(sink, g)
-        if events.recovery_seconds is not None:
+        if events.recovery_seconds is not None and cat.RECOVERY_DURATION.name not in self.absent:
             for sink in self.sinks:
                 self._safely(sink, "observe", cat.RECOVERY_DURATION, self.common,
                              events.recovery_seconds)
@@ -100,6 +104,8 @@ class MetricsPipeline:
         self._safely(sink, "info", cat.BUILD_INFO, self.common + (__version__, self.engine_kind,
                                                          self.recovery))
         for spec in cat.COUNTERS:
+            if spec.name in self.absent:
+                continue
             for values in cat.bounded_label_sets(spec):
                 self._safely(sink, "inc", spec, self.common + values, 0)
 
@@ -107,6 +113,8 @@ class MetricsPipeline:
                step: int = 0, request_id: str | None = None) -> Violation | None:
         """Add an accepted amount everywhere; the violation instead if the series' total
         would leave the finite floats (exported as +Inf, it would poison every rate())."""
+        if spec.name in self.absent:
+            return None
         total = self.totals.add(spec, values, amount)
         if total is None:
             return Violation(spec.name, "overflow", step,

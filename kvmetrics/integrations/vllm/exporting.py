@@ -84,6 +84,8 @@ class ExportSettings:
     recovery: str = "vllm"
     extra_sinks: list[MetricSink] = field(default_factory=list)
     tls: TLSOptions | None = None
+    #: Families this vLLM cannot compute (an unusable hook): never on the page.
+    absent_families: frozenset[str] = frozenset()
 
 
 #: Every key ``additional_config["kvmetrics"]`` may hold.
@@ -242,7 +244,7 @@ def build_exporter(settings: ExportSettings) -> Exporter:
             log.exception("kvmetrics: OTLP export to %s disabled", settings.otlp_endpoint)
     pipeline = MetricsPipeline(sinks, model_name=settings.model_name, engine=settings.engine,
                                engine_kind="vllm", recovery=settings.recovery,
-                               strict=settings.strict)
+                               strict=settings.strict, absent=settings.absent_families)
     exporter = Exporter(pipeline, sink, otel_provider=provider)
     try:
         where = endpoint_for(settings)

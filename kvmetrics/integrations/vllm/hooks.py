@@ -9,8 +9,19 @@ counter families that need it stop counting, one log line names it, and
 ``kvmetrics_instrumentation_errors_total{hook}`` shows it on the endpoint. The
 same counter also counts a hook that raises at run time.
 
+The hooks also read vLLM state (queues, the cache's usage, fields of the connector's
+output); :data:`ATTRIBUTES` lists those reads and is checked the same way, so a
+renamed attribute is found once at start instead of raising on every step.
+
+Differences between the supported vLLM releases (0.28–0.33) are not errors:
+an attribute may list the older names it had (``kv_holding_waiting``, called
+``skipped_waiting`` before 0.31), and a hook on a path an older vLLM does not have
+(``_handle_failed_recving``, from 0.30: before it there is no
+``KVConnectorOutput.failed_recving`` and a failed async load goes through
+``_update_requests_with_invalid_blocks``, which is hooked) is simply not needed.
+
 The label values of that counter are :data:`kvmetrics.metrics.catalogue.HOOKS`;
-a test keeps the two lists equal.
+a test keeps them equal to the names in both tables.
 """
 
 from __future__ import annotations
@@ -36,10 +47,29 @@ class Hook:
     families: tuple[str, ...]
     #: Only checked when the scheduler has a KV connector.
     needs_connector: bool = False
+    #: A ``KVConnectorOutput`` field that feeds this method: a vLLM without the field
+    #: has no such path, so the method missing there is expected, not an error.
+    fed_by_output_field: str | None = None
 
     @property
     def name(self) -> str:
         return f"{self.owner}.{self.method}"
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """vLLM state a hook reads (not calls): it must exist after the scheduler is built."""
+
+    #: ``scheduler``, ``kv_cache_manager``, ``block_pool`` (instances) or
+    #: ``kv_connector_output`` (a field of vLLM's dataclass).
+    owner: str
+    #: Its names, newest first: the first one present is the one read.
+    names: tuple[str, ...]
+    families: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.owner}.{self.names[0]}"
 
 
 _LOOKUPS = (cat.PREFIX_CACHE_QUERY_TOKENS.name, cat.PREFIX_CACHE_HIT_TOKENS.name,
@@ -61,7 +91,8 @@ HOOKS: tuple[Hook, ...] = (
          (cat.RECOVERY_DURATION.name,)),
     Hook("scheduler", "_update_requests_with_invalid_blocks",
          ("requests", "invalid_block_ids", "num_scheduled_tokens", "evict_blocks"), _RECOVERY),
-    Hook("scheduler", "_handle_failed_recving", ("failed_req_ids",), _RECOVERY),
+    Hook("scheduler", "_handle_failed_recving", ("failed_req_ids",), _RECOVERY,
+         fed_by_output_field="failed_recving"),
     Hook("kv_cache_manager", "record_prefix_cache_stats", ("request", "num_hits"),
          _LOOKUPS + (cat.KV_LOAD_BLOCKS.name,)),
     Hook("kv_cache_manager", "evict_blocks", ("block_ids",), (cat.EVICTED_BLOCKS.name,)),
@@ -71,7 +102,28 @@ HOOKS: tuple[Hook, ...] = (
          _LOOKUPS + (cat.KV_LOAD_BLOCKS.name,), needs_connector=True),
 )
 
-BY_NAME: dict[str, Hook] = {hook.name: hook for hook in HOOKS}
+_GAUGES = (cat.KV_CACHE_USAGE.name, cat.KV_CACHE_BLOCKS.name, cat.REQUESTS.name)
+
+#: Requests held back while their KV arrives; ``skipped_waiting`` before vLLM 0.31.
+HOLDING_WAITING = Attribute("scheduler", ("kv_holding_waiting", "skipped_waiting"), _GAUGES)
+GAUGE_FAMILIES = _GAUGES
+
+ATTRIBUTES: tuple[Attribute, ...] = (
+    Attribute("scheduler", ("requests",), (cat.KV_LOAD_BLOCKS.name,) + _RECOVERY),
+    Attribute("scheduler", ("running",), _GAUGES),
+    Attribute("scheduler", ("waiting",), _GAUGES),
+    HOLDING_WAITING,
+    Attribute("scheduler", ("recompute_kv_load_failures",), _RECOVERY),
+    Attribute("kv_cache_manager", ("usage",), _GAUGES),
+    Attribute("block_pool", ("num_gpu_blocks",), _GAUGES),
+    Attribute("block_pool", ("blocks",), (cat.EVICTED_BLOCKS.name,)),
+    Attribute("kv_connector_output", ("invalid_block_ids",),
+              (cat.KV_LOAD_BLOCKS.name,) + _RECOVERY),
+    Attribute("kv_connector_output", ("finished_recving",), (cat.KV_LOAD_BLOCKS.name,)),
+)
+
+BY_NAME: dict[str, Hook | Attribute] = {
+    entry.name: entry for entry in (*HOOKS, *ATTRIBUTES)}
 
 
 def argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str,
@@ -129,10 +181,20 @@ def signature_problem(fn: Callable[..., Any] | None, hook: Hook, unbound: bool) 
     return None
 
 
+def output_fields() -> frozenset[str]:
+    """The fields of this vLLM's ``KVConnectorOutput``."""
+    import dataclasses
+
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return frozenset(f.name for f in dataclasses.fields(KVConnectorOutput))
+
+
 def check_hooks(scheduler: Any, base: type) -> dict[str, str]:
     """``{hook name: problem}`` for every hook that cannot be used on this scheduler."""
     problems: dict[str, str] = {}
     has_connector = getattr(scheduler, "connector", None) is not None
+    fields = output_fields()
     for hook in HOOKS:
         if hook.needs_connector and not has_connector:
             continue
@@ -142,10 +204,33 @@ def check_hooks(scheduler: Any, base: type) -> dict[str, str]:
             problems[hook.name] = f"owner missing ({e})"
             continue
         fn = getattr(owner, hook.method, None)
+        if fn is None and hook.fed_by_output_field not in (None, *fields):
+            continue  # an older vLLM without this path: nothing to count there
         problem = signature_problem(fn, hook, unbound=True)
         if problem is not None:
             problems[hook.name] = problem
+    for attribute in ATTRIBUTES:
+        if resolve_attribute(scheduler, attribute, fields) is None:
+            problems[attribute.name] = "missing (looked for " + ", ".join(attribute.names) + ")"
     return problems
+
+
+def resolve_attribute(scheduler: Any, attribute: Attribute,
+                      fields: frozenset[str] | None = None) -> str | None:
+    """The name ``attribute`` has in this vLLM (None: none of its names exists)."""
+    if attribute.owner == "kv_connector_output":
+        present = output_fields() if fields is None else fields
+        return next((n for n in attribute.names if n in present), None)
+    try:
+        if attribute.owner == "scheduler":
+            owner = scheduler
+        elif attribute.owner == "kv_cache_manager":
+            owner = scheduler.kv_cache_manager
+        else:
+            owner = scheduler.kv_cache_manager.block_pool
+    except AttributeError:
+        return None
+    return next((n for n in attribute.names if hasattr(owner, n)), None)
 
 
 def disabled_families(broken: set[str] | dict[str, str]) -> frozenset[str]:

@@ -1,9 +1,10 @@
 """vLLM schedulers that export kvmetrics' counters, for ``vllm serve --scheduler-cls``.
 
-``InstrumentedScheduler`` subclasses vLLM's ``Scheduler`` (``InstrumentedAsyncScheduler``
-its ``AsyncScheduler``). Each override calls vLLM's own method with the same
-arguments, returns its result unchanged and only *reads* state around the call,
-so scheduling decisions are exactly vLLM's (a test compares them step by step).
+``InstrumentedScheduler`` subclasses vLLM's ``Scheduler``, and is built over vLLM's
+``AsyncScheduler`` (``InstrumentedAsyncScheduler``) when vLLM decided async scheduling,
+so adding kvmetrics never changes how vLLM schedules. Each override calls vLLM's own
+method with the same arguments, returns its result unchanged and only *reads* state
+around the call, so scheduling decisions are exactly vLLM's (a test compares them step by step).
 Events are taken at vLLM's own decision points:
 
 - lookups and prompt sources: ``kv_cache_manager.record_prefix_cache_stats``
@@ -24,9 +25,10 @@ Nothing a hook does may raise into vLLM: a fault is logged and the step goes on
 (only strict mode raises :class:`CounterViolationError`, on purpose). Every hooked
 vLLM method is listed in :mod:`kvmetrics.integrations.vllm.hooks` and checked at
 construction; overrides take ``*args, **kwargs`` and hand them to vLLM untouched,
-so a new optional parameter passes through. A missing or changed method turns off
-only its hook and the counter families that need it, and is counted (like a hook
-that raises) in ``kvmetrics_instrumentation_errors_total{hook}``.
+so a new optional parameter passes through. A missing or changed method (or vLLM
+attribute a hook reads) turns off only its hook; the families that need it are left
+off the page (never shown as 0), it is logged once and counted once (like a hook that
+raises, each time) in ``kvmetrics_instrumentation_errors_total{hook}``.
 """
 
 from __future__ import annotations
@@ -100,10 +102,15 @@ class InstrumentedMixin:
         #: Hook name -> why it is out (missing, changed signature); set at construction.
         self.kvmetrics_broken_hooks: dict[str, str] = {}
         self._kv_disabled: frozenset[str] = frozenset()
+        #: vLLM's name for the queue of requests held back while their KV arrives
+        #: (None: gauges off), and whether every attribute the gauges read is there.
+        self._kv_holding_attr: str | None = "kv_holding_waiting"
+        self._kv_gauges_on = True
         #: Hook faults since the last recorded step, and the hooks already logged.
         self._kv_errors: dict[str, int] = {}
         self._kv_logged: set[str] = set()
-        policy = "recompute" if me.recompute_kv_load_failures else "fail"
+        # Read through getattr: a vLLM without it is reported by the check below.
+        policy = "recompute" if getattr(me, "recompute_kv_load_failures", True) else "fail"
         self._kv = StepRecorder(me.block_size, policy, me.connector is not None)
         self._kv_check_hooks()
         try:
@@ -115,6 +122,7 @@ class InstrumentedMixin:
             settings = settings_for(me.vllm_config)
             settings.recovery = getattr(self, "kvmetrics_recovery", "vllm")
             if settings.export:
+                settings.absent_families = self._kv_disabled
                 self.kvmetrics_exporter = build_exporter(settings)
                 self.kvmetrics_pipeline = self.kvmetrics_exporter.pipeline
         except Exception:
@@ -133,12 +141,14 @@ class InstrumentedMixin:
             return
         self.kvmetrics_broken_hooks = broken
         self._kv_disabled = hooks.disabled_families(broken)
+        self._kv_holding_attr = hooks.resolve_attribute(self, hooks.HOLDING_WAITING)
+        self._kv_gauges_on = not self._kv_disabled & set(hooks.GAUGE_FAMILIES)
         for name, problem in broken.items():
             self._kv_errors[name] = self._kv_errors.get(name, 0) + 1
             self._kv_logged.add(name)
-            log.warning("kvmetrics: vLLM hook %s unusable (%s); counters that need it are "
-                        "off: %s", name, problem,
-                        ", ".join(sorted(hooks.BY_NAME[name].families)) or "none")
+            log.warning("kvmetrics: vLLM hook %s unusable (%s); left off the metrics page: %s",
+                        name, problem,
+                        ", ".join(sorted(hooks.BY_NAME[name].families)) or "nothing")
 
     def _kv_on(self, hook: str) -> bool:
         return hook not in self.kvmetrics_broken_hooks
@@ -344,13 +354,16 @@ class InstrumentedMixin:
                           events.step)
 
     def _kv_gauges(self, events: StepEvents) -> None:
+        if not self._kv_gauges_on or self._kv_holding_attr is None:
+            return  # an attribute is missing: reported once at start, gauges absent
         me: Any = self
         waiting_status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        remote = sum(1 for r in me.kv_holding_waiting if r.status == waiting_status)
+        holding = getattr(me, self._kv_holding_attr)
+        remote = sum(1 for r in holding if r.status == waiting_status)
         events.gauges = GaugeReadings(
             kv_cache_usage=me.kv_cache_manager.usage,
             running=len(me.running),
-            waiting=len(me.waiting) + len(me.kv_holding_waiting) - remote,
+            waiting=len(me.waiting) + len(holding) - remote,
             waiting_for_remote_kv=remote,
             cache_blocks=me.kv_cache_manager.block_pool.num_gpu_blocks - 1,
         )
@@ -382,10 +395,49 @@ class InstrumentedMixin:
                 self.kvmetrics_exporter.shutdown()
 
 
+def async_decided(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether vLLM decided async scheduling for the engine this scheduler is built for
+    (``VllmConfig.scheduler_config.async_scheduling``, passed as ``vllm_config``)."""
+    vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+    sched_config = getattr(vllm_config, "scheduler_config", None)
+    return bool(getattr(sched_config, "async_scheduling", False))
+
+
 class InstrumentedScheduler(InstrumentedMixin, ProtectMixin, Scheduler):
-    """vLLM's synchronous scheduler plus kvmetrics counters (and, opt-in, the
-    protective recovery of :mod:`kvmetrics.integrations.vllm.protect`)."""
+    """vLLM's scheduler plus kvmetrics counters (and, opt-in, the protective recovery
+    of :mod:`kvmetrics.integrations.vllm.protect`), the one class to name in
+    ``--scheduler-cls``.
+
+    It follows vLLM's own decision on async scheduling: vLLM resolves
+    ``--scheduler-cls`` to this class whatever it decided, and a plain ``Scheduler``
+    under async scheduling cannot keep a step in flight while the next is scheduled
+    (vLLM's "degraded performance" case). So construction looks at
+    ``vllm_config.scheduler_config.async_scheduling`` and, when it is on, builds the
+    same class over vLLM's ``AsyncScheduler`` instead (:class:`InstrumentedAsyncScheduler`,
+    or for an operator's own subclass a twin made once). Python calls ``__init__``
+    on it as usual because the twin is a subclass of the class named.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if async_decided(args, kwargs) and not issubclass(cls, AsyncScheduler):
+            cls = async_twin(cls)
+        return super().__new__(cls)
 
 
-class InstrumentedAsyncScheduler(InstrumentedMixin, ProtectMixin, AsyncScheduler):
-    """vLLM's async scheduler plus kvmetrics counters (``--async-scheduling``)."""
+class InstrumentedAsyncScheduler(InstrumentedScheduler, AsyncScheduler):
+    """The instrumented scheduler over vLLM's ``AsyncScheduler``: what
+    :class:`InstrumentedScheduler` builds when vLLM decided async scheduling. Naming it
+    in ``--scheduler-cls`` still works and forces the async base."""
+
+
+_TWINS: dict[type, type] = {InstrumentedScheduler: InstrumentedAsyncScheduler}
+
+
+def async_twin(cls: type) -> type:
+    """``cls`` over vLLM's ``AsyncScheduler`` (a subclass of ``cls``), made once per class."""
+    twin = _TWINS.get(cls)
+    if twin is None:
+        twin = type(f"{cls.__name__}Async", (cls, AsyncScheduler),
+                    {"__module__": cls.__module__, "__doc__": cls.__doc__})
+        _TWINS[cls] = twin
+    return twin
