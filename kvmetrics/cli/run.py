@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvmetrics.cli.common import (
     Command,
     check_output_path,
     fail,
+    say,
     stderr_is_tty,
     stdout_is_tty,
     write_atomically,
@@ -18,6 +20,7 @@ from kvmetrics.cli.common import (
 
 if TYPE_CHECKING:
     from kvmetrics.lab.config import LabConfig
+    from kvmetrics.lab.runner import LabResult, Narrator
 
 #: Used when ``--verify sampled`` is given without ``--verify-fraction``.
 DEFAULT_VERIFY_FRACTION = 0.25
@@ -174,9 +177,8 @@ def _run(args: argparse.Namespace) -> int:
     from kvmetrics.engine.faults import FaultPlanError
     from kvmetrics.kv_errors import is_verification_error
     from kvmetrics.lab.config import LabError
-    from kvmetrics.lab.report import ReportUnavailable, render_report, require_report_support
+    from kvmetrics.lab.report import ReportUnavailable, require_report_support
     from kvmetrics.lab.runner import EngineStalled, run_lab
-    from kvmetrics.lab.summary import render_table
     from kvmetrics.lab.traces import TraceError
     from kvmetrics.metrics.guard import CounterViolationError
 
@@ -189,8 +191,16 @@ def _run(args: argparse.Namespace) -> int:
         except ReportUnavailable as e:
             return fail(str(e))
     cfg = config_from_args(args)
+    finished: list[LabResult] = []
+
+    def on_finished(result: LabResult) -> None:
+        """Outputs first, before any linger, so that a signal then loses nothing."""
+        finished.append(result)
+        _write_outputs(result, args)
+        _print_summary(result, args)
+
     try:
-        result = run_lab(cfg)
+        run_lab(cfg, on_finished=on_finished, narrator=_narrator())
     except (LabError, TraceError, FaultPlanError) as e:
         return fail(str(e))
     except (CounterViolationError, EngineStalled) as e:
@@ -202,18 +212,54 @@ def _run(args: argparse.Namespace) -> int:
             print(f"kvmetrics: strict mode: {e}", file=sys.stderr)
             return EXIT_STRICT
         raise
-    summary = result.summary
+    return exit_code(finished[0].summary, args)
+
+
+def _write_outputs(result: LabResult, args: argparse.Namespace) -> None:
+    from kvmetrics.lab.report import render_report
+
     document = result.document()
     if args.output:
         write_atomically(args.output, json.dumps(document, indent=2, sort_keys=True) + "\n")
+        say(f"run written to {args.output}")
     if args.report:
         write_atomically(args.report, render_report(document))
+        say(f"report written to {args.report}")
+
+
+def _print_summary(result: LabResult, args: argparse.Namespace) -> None:
+    from kvmetrics.lab.summary import render_table
+
     if args.json:
-        print(json.dumps({k: v for k, v in document.items() if k != "timeline"}, indent=2,
-                         sort_keys=True))
+        print(json.dumps({k: v for k, v in result.document().items() if k != "timeline"},
+                         indent=2, sort_keys=True), flush=True)
     else:
-        print(render_table(summary, rich=stdout_is_tty()))
-    return exit_code(summary, args)
+        print(render_table(result.summary, rich=stdout_is_tty()), flush=True)
+    if result.interrupted:
+        say(f"interrupted at step {result.summary['steps']}: the summary covers the steps "
+            "run so far")
+
+
+def _narrator() -> Narrator:
+    from kvmetrics.lab.runner import Narrator
+
+    class StderrNarrator(Narrator):
+        def say(self, message: str) -> None:
+            say(message)
+
+        def linger(self, seconds: float) -> None:
+            if not stderr_is_tty():
+                say(f"lingering {seconds:g} s, still serving metrics (Ctrl-C stops)")
+                time.sleep(seconds)
+                return
+            end = time.monotonic() + seconds
+            while (left := end - time.monotonic()) > 0:
+                print(f"\rkvmetrics: lingering, still serving metrics: {left:4.0f} s left "
+                      "(Ctrl-C stops) ", end="", file=sys.stderr, flush=True)
+                time.sleep(min(1.0, left))
+            print(file=sys.stderr)
+
+    return StderrNarrator()
 
 
 def exit_code(summary: dict[str, Any], args: argparse.Namespace) -> int:

@@ -11,9 +11,12 @@ from typing import Any
 
 from kvmetrics.cli.common import (
     Command,
+    Interrupted,
     check_output_path,
     choice_list,
     fail,
+    interrupt_exit_code,
+    say,
     stderr_is_tty,
     write_atomically,
 )
@@ -189,7 +192,10 @@ def _run(args: argparse.Namespace) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         report = soak(args.scenarios, engines, args.seed, args.accounting, args.verify,
                       recovery=args.recovery, jobs=args.jobs, shard=args.shard,
-                      on_progress=lambda r: bar.update(r.scenarios // len(engines)))
+                      on_progress=lambda r: bar.update(r.scenarios // len(engines)),
+                      on_workers=lambda pids: say(
+                          f"running {todo * len(engines)} scenarios in {len(pids)} worker "
+                          f"processes (pids {' '.join(map(str, pids))})"))
     finally:
         bar.close()
         for name, level in quiet.items():
@@ -197,7 +203,12 @@ def _run(args: argparse.Namespace) -> int:
     data = report.as_dict()
     if args.output:
         write_atomically(args.output, json.dumps(data, indent=2) + "\n")
+        say(f"report written to {args.output}")
     print_report(data, args.json)
+    if report.interrupted:
+        say(f"interrupted ({data['interrupted']}) after {report.scenarios} scenario(s); "
+            "the report covers those")
+        return interrupt_exit_code(Interrupted(report.interrupted))
     if report.failures:
         # JSON on stdout stays the whole output; the replay lines go to stderr then.
         stream = sys.stderr if args.json else sys.stdout
