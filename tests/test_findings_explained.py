@@ -153,7 +153,10 @@ def test_vllm_preempted_owner_is_attributed() -> None:
 
 def test_lab_summary_explains_the_stale_reads() -> None:
     text = run_cli("run", *STALE)
-    assert text.returncode == 0, text.stderr
+    assert text.returncode == 3, text.stderr  # stale reads exit 3 ...
+    assert "the verifier found" in text.stderr and "Traceback" not in text.stderr
+    allowed = run_cli("run", *STALE, "--allow-stale-reads")
+    assert allowed.returncode == 0, allowed.stderr  # ... unless allowed
     assert re.search(r"stale KV: \d+ failed block reads by \d+ request\(s\) in \d+ distinct "
                      r"block\(s\), first at step \d+", text.stdout)
     assert DOCS_STALE in text.stdout and "avoid it with --recovery evict" in text.stdout

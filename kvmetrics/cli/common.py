@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -115,3 +117,48 @@ def stdout_is_tty() -> bool:
 
 def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised in the main thread so that ``finally`` blocks run (the
+    lab writes what it has, workers are stopped). A KeyboardInterrupt, so that no
+    ``except Exception`` swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def interrupt_exit_code(error: BaseException) -> int:
+    """128 + the signal number, as a shell reports a process killed by it (130, 143)."""
+    return 128 + int(getattr(error, "signum", signal.SIGINT))
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` once; further ones are ignored
+    while the command cleans up (SIGKILL still ends it)."""
+    fired = False
+
+    def handler(signum: int, frame: object) -> None:
+        nonlocal fired
+        if fired:
+            return
+        fired = True
+        raise Interrupted(signum)
+
+    try:
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread (an embedding): leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, previous in old.items():
+            signal.signal(sig, previous)
+
+
+def say(message: str) -> None:
+    """A line of narration on stderr: what the command is doing or has done."""
+    print(f"kvmetrics: {message}", file=sys.stderr, flush=True)

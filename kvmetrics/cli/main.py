@@ -12,7 +12,15 @@ from collections.abc import Sequence
 
 from kvmetrics import __version__
 from kvmetrics.cli import catalogue, report, run, soak, soak_merge, vllm_check, workloads
-from kvmetrics.cli.common import EXIT_USAGE, Command, Parser, add_command, setup_logging
+from kvmetrics.cli.common import (
+    EXIT_USAGE,
+    Command,
+    Parser,
+    add_command,
+    interrupt_exit_code,
+    interruptible,
+    setup_logging,
+)
 
 COMMANDS: tuple[Command, ...] = (
     run.COMMAND,
@@ -43,7 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     setup_logging(args.verbose)
-    return handler(args)
+    try:
+        with interruptible():
+            return handler(args)
+    except KeyboardInterrupt as e:  # commands write what they have before it gets here
+        name = e.args[0] if e.args else "SIGINT"
+        print(f"kvmetrics: interrupted ({name})", file=sys.stderr)
+        return interrupt_exit_code(e)
 
 
 if __name__ == "__main__":

@@ -5,18 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from typing import TYPE_CHECKING, Any
 
 from kvmetrics.cli.common import (
     Command,
     check_output_path,
     fail,
+    say,
     stderr_is_tty,
     stdout_is_tty,
     write_atomically,
 )
 
+if TYPE_CHECKING:
+    from kvmetrics.lab.config import LabConfig
+    from kvmetrics.lab.runner import LabResult, Narrator
+
 #: Used when ``--verify sampled`` is given without ``--verify-fraction``.
 DEFAULT_VERIFY_FRACTION = 0.25
+#: Exit codes of ``kvmetrics run`` (2, bad input, is every command's; docs/lab.md lists all).
+EXIT_STRICT = 1
+EXIT_STALE_READS = 3
 
 
 def _add(p: argparse.ArgumentParser) -> None:
@@ -45,6 +55,9 @@ def _add(p: argparse.ArgumentParser) -> None:
                    help="pace steps to --step-seconds of wall time (live dashboards, demos)")
     g.add_argument("--abort-rate", type=float, default=0.0, metavar="P",
                    help="probability that a request is aborted after it arrives")
+    g.add_argument("--abort-within-steps", type=int, default=40, metavar="N",
+                   help="an aborted request goes 1..N steps after it arrives (small N: "
+                   "right after admission, when a load it made may just have failed)")
     g = p.add_argument_group("engine")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-gpu-blocks", type=int, default=512)
@@ -117,8 +130,11 @@ def _add(p: argparse.ArgumentParser) -> None:
     g.add_argument("--report", metavar="FILE.html",
                    help="also write a self-contained HTML report with charts over the steps")
     g.add_argument("--strict", action="store_true",
-                   help="fail on any guard rejection, invariant violation or verification "
-                   "failure")
+                   help="stop at the first guard rejection, invariant violation or stale KV "
+                   f"read and exit {EXIT_STRICT}")
+    g.add_argument("--allow-stale-reads", action="store_true",
+                   help=f"exit 0 even when the verifier found stale KV reads (otherwise "
+                   f"such a run exits {EXIT_STALE_READS})")
     g.add_argument("--no-progress", action="store_true", help="do not draw a progress bar")
 
 
@@ -135,25 +151,12 @@ def _misplaced(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _run(args: argparse.Namespace) -> int:
-    from kvmetrics.engine.faults import FaultPlanError
-    from kvmetrics.kv_errors import is_verification_error
-    from kvmetrics.lab.config import LabConfig, LabError
-    from kvmetrics.lab.report import ReportUnavailable, render_report, require_report_support
-    from kvmetrics.lab.runner import EngineStalled, run_lab
-    from kvmetrics.lab.summary import render_table
-    from kvmetrics.lab.traces import TraceError
-    from kvmetrics.metrics.guard import CounterViolationError
+def config_from_args(args: argparse.Namespace) -> LabConfig:
+    """The run's configuration from its parsed options (the inverse of
+    :func:`kvmetrics.lab.replay.run_arguments`)."""
+    from kvmetrics.lab.config import LabConfig
 
-    problem = _misplaced(args)
-    if problem:
-        return fail(problem)
-    if args.report:
-        try:
-            require_report_support()
-        except ReportUnavailable as e:
-            return fail(str(e))
-    cfg = LabConfig(
+    return LabConfig(
         engine=args.engine, workload=args.workload, trace=args.trace,
         trace_format=args.trace_format, max_requests=args.max_requests,
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
@@ -168,40 +171,114 @@ def _run(args: argparse.Namespace) -> int:
         verify_fraction=(DEFAULT_VERIFY_FRACTION if args.verify_fraction is None
                          else args.verify_fraction),
         seed=args.seed, step_seconds=args.step_seconds, realtime=args.realtime,
-        abort_rate=args.abort_rate, serve=args.serve, linger=args.linger or 0.0,
+        abort_rate=args.abort_rate,
+        abort_within_steps=args.abort_within_steps, serve=args.serve, linger=args.linger or 0.0,
         wait_for_scrape=args.wait_for_scrape,
         otlp_endpoint=args.otlp_endpoint, strict=args.strict, model_name=args.model_name,
         serve_tls_cert=args.serve_tls_cert, serve_tls_key=args.serve_tls_key,
         serve_tls_client_ca=args.serve_tls_client_ca,
         progress=not args.no_progress and stderr_is_tty())
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvmetrics.engine.faults import FaultPlanError
+    from kvmetrics.kv_errors import is_verification_error
+    from kvmetrics.lab.config import LabError
+    from kvmetrics.lab.report import ReportUnavailable, require_report_support
+    from kvmetrics.lab.runner import EngineStalled, run_lab
+    from kvmetrics.lab.traces import TraceError
+    from kvmetrics.metrics.guard import CounterViolationError
+
+    problem = _misplaced(args)
+    if problem:
+        return fail(problem)
+    if args.report:
+        try:
+            require_report_support()
+        except ReportUnavailable as e:
+            return fail(str(e))
+    cfg = config_from_args(args)
+    finished: list[LabResult] = []
+
+    def on_finished(result: LabResult) -> None:
+        """Outputs first, before any linger, so that a signal then loses nothing."""
+        finished.append(result)
+        _write_outputs(result, args)
+        _print_summary(result, args)
+
     try:
-        result = run_lab(cfg)
+        run_lab(cfg, on_finished=on_finished, narrator=_narrator())
     except (LabError, TraceError, FaultPlanError) as e:
         return fail(str(e))
     except (CounterViolationError, EngineStalled) as e:
         prefix = "strict mode: " if isinstance(e, CounterViolationError) else ""
         print(f"kvmetrics: {prefix}{e}", file=sys.stderr)
-        return 1
+        return EXIT_STRICT
     except Exception as e:
         if is_verification_error(e):
             print(f"kvmetrics: strict mode: {e}", file=sys.stderr)
-            return 1
+            return EXIT_STRICT
         raise
-    summary = result.summary
+    return exit_code(finished[0].summary, args)
+
+
+def _write_outputs(result: LabResult, args: argparse.Namespace) -> None:
+    from kvmetrics.lab.report import render_report
+
     document = result.document()
     if args.output:
         write_atomically(args.output, json.dumps(document, indent=2, sort_keys=True) + "\n")
+        say(f"run written to {args.output}")
     if args.report:
         write_atomically(args.report, render_report(document))
+        say(f"report written to {args.report}")
+
+
+def _print_summary(result: LabResult, args: argparse.Namespace) -> None:
+    from kvmetrics.lab.summary import render_table
+
     if args.json:
-        print(json.dumps({k: v for k, v in document.items() if k != "timeline"}, indent=2,
-                         sort_keys=True))
+        print(json.dumps({k: v for k, v in result.document().items() if k != "timeline"},
+                         indent=2, sort_keys=True), flush=True)
     else:
-        print(render_table(summary, rich=stdout_is_tty()))
-    if args.strict and (summary["guard_rejected_increments"] or summary["invariant_violations"]
-                        or summary["verification"]["failed_blocks"]):
-        print("kvmetrics: strict mode: violations or verification failures", file=sys.stderr)
-        return 1
+        print(render_table(result.summary, rich=stdout_is_tty()), flush=True)
+    if result.interrupted:
+        say(f"interrupted at step {result.summary['steps']}: the summary covers the steps "
+            "run so far")
+
+
+def _narrator() -> Narrator:
+    from kvmetrics.lab.runner import Narrator
+
+    class StderrNarrator(Narrator):
+        def say(self, message: str) -> None:
+            say(message)
+
+        def linger(self, seconds: float) -> None:
+            if not stderr_is_tty():
+                say(f"lingering {seconds:g} s, still serving metrics (Ctrl-C stops)")
+                time.sleep(seconds)
+                return
+            end = time.monotonic() + seconds
+            while (left := end - time.monotonic()) > 0:
+                print(f"\rkvmetrics: lingering, still serving metrics: {left:4.0f} s left "
+                      "(Ctrl-C stops) ", end="", file=sys.stderr, flush=True)
+                time.sleep(min(1.0, left))
+            print(file=sys.stderr)
+
+    return StderrNarrator()
+
+
+def exit_code(summary: dict[str, Any], args: argparse.Namespace) -> int:
+    if args.strict and (summary["guard_rejected_increments"] or summary["invariant_violations"]):
+        print("kvmetrics: strict mode: guard rejections or invariant violations",
+              file=sys.stderr)
+        return EXIT_STRICT
+    stale = summary["verification"]["failed_blocks"]
+    if stale and not args.allow_stale_reads:
+        print(f"kvmetrics: the verifier found {stale} stale KV block read(s); exit "
+              f"{EXIT_STALE_READS} (--allow-stale-reads exits 0)", file=sys.stderr)
+        return EXIT_STALE_READS
     return 0
 
 

@@ -11,9 +11,12 @@ from typing import Any
 
 from kvmetrics.cli.common import (
     Command,
+    Interrupted,
     check_output_path,
     choice_list,
     fail,
+    interrupt_exit_code,
+    say,
     stderr_is_tty,
     write_atomically,
 )
@@ -71,6 +74,12 @@ def _add(p: argparse.ArgumentParser) -> None:
                    "range; `kvmetrics soak-merge` combines the shards' --json reports")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--output", metavar="PATH", help="also write the JSON report to PATH")
+    p.add_argument("--explain", type=int, metavar="SEED",
+                   help="run only scenario SEED (on each of --engines) as `kvmetrics run` "
+                   "would: its command line, summary and findings explained")
+    p.add_argument("--report-dir", metavar="DIR",
+                   help="write an HTML report (ENGINE-SEED.html) for each failing scenario "
+                   f"(the first {SHOWN_FAILURES}), or for the --explain one")
 
 
 def print_report(data: dict[str, Any], as_json: bool) -> None:
@@ -94,13 +103,77 @@ def exit_code(report: Any) -> int:
     return 1 if report.failed else 0
 
 
+def _scenario(seed: int, engine: str, args: argparse.Namespace) -> Any:
+    from kvmetrics.lab.soak import scenario_config
+
+    return scenario_config(seed, engine, args.accounting, args.verify, args.recovery)
+
+
+def replay_lines(failures: list[Any], args: argparse.Namespace) -> list[str]:
+    """One ``kvmetrics run`` line per failing scenario (the first SHOWN_FAILURES)."""
+    from kvmetrics.lab.replay import run_command
+
+    return [f"  {run_command(_scenario(o.seed, o.engine, args))}"
+            for o in failures[:SHOWN_FAILURES]]
+
+
+def _explain(seeds: list[tuple[int, str]], args: argparse.Namespace, show: bool) -> int:
+    """Run each (seed, engine) scenario as ``kvmetrics run`` would, print what it found and
+    write its report to --report-dir; returns the stale reads found in all."""
+    from kvmetrics.lab.replay import run_command
+    from kvmetrics.lab.report import render_report
+    from kvmetrics.lab.runner import run_lab
+    from kvmetrics.lab.summary import render_table
+
+    stale = 0
+    for seed, engine in seeds:
+        cfg = _scenario(seed, engine, args)
+        try:
+            result = run_lab(cfg)
+        except Exception as e:  # noqa: BLE001 - a crashing scenario is a finding, shown
+            print(f"kvmetrics: scenario {engine}:{seed} "
+                  f"({run_command(cfg)}): {type(e).__name__}: {e}", file=sys.stderr)
+            stale += 1
+            continue
+        stale += result.summary["verification"]["failed_blocks"]
+        if show:
+            print(f"scenario {engine}:{seed}: {run_command(cfg)}")
+            print(render_table(result.summary, rich=False) + "\n")
+        if args.report_dir:
+            path = os.path.join(args.report_dir, f"{engine}-{seed}.html")
+            write_atomically(path, render_report(result.document()))
+            print(f"kvmetrics: report of {engine}:{seed} written to {path}", file=sys.stderr)
+    return stale
+
+
+def _check_outputs(args: argparse.Namespace) -> str | None:
+    problem = check_output_path(args.output)
+    if problem:
+        return f"--output: {problem}"
+    if args.report_dir is not None and not os.path.isdir(args.report_dir):
+        return f"--report-dir: {args.report_dir} is not a directory"
+    if args.report_dir is not None:
+        from kvmetrics.lab.report import ReportUnavailable, require_report_support
+
+        try:
+            require_report_support()
+        except ReportUnavailable as e:
+            return str(e)
+    return None
+
+
 def _run(args: argparse.Namespace) -> int:
     from kvmetrics.lab.progress import Progress
     from kvmetrics.lab.soak import Campaign, Shard, soak
 
-    problem = check_output_path(args.output)
+    problem = _check_outputs(args)
     if problem:
-        return fail(f"--output: {problem}")
+        return fail(problem)
+    if args.explain is not None:
+        if args.shard is not None or args.output is not None:
+            return fail("--explain runs one scenario: --shard and --output do not apply")
+        stale = _explain([(args.explain, e) for e in args.engines], args, show=True)
+        return 1 if stale else 0
     shard = args.shard or Shard(0, 1)
     engines = args.engines
     campaign = Campaign(args.scenarios, args.seed, tuple(engines), args.accounting,
@@ -119,7 +192,10 @@ def _run(args: argparse.Namespace) -> int:
             logging.getLogger(name).setLevel(logging.CRITICAL)
         report = soak(args.scenarios, engines, args.seed, args.accounting, args.verify,
                       recovery=args.recovery, jobs=args.jobs, shard=args.shard,
-                      on_progress=lambda r: bar.update(r.scenarios // len(engines)))
+                      on_progress=lambda r: bar.update(r.scenarios // len(engines)),
+                      on_workers=lambda pids: say(
+                          f"running {todo * len(engines)} scenarios in {len(pids)} worker "
+                          f"processes (pids {' '.join(map(str, pids))})"))
     finally:
         bar.close()
         for name, level in quiet.items():
@@ -127,10 +203,21 @@ def _run(args: argparse.Namespace) -> int:
     data = report.as_dict()
     if args.output:
         write_atomically(args.output, json.dumps(data, indent=2) + "\n")
+        say(f"report written to {args.output}")
     print_report(data, args.json)
-    if report.failed and not args.json:  # JSON on stdout stays the whole output
-        print(f"kvmetrics: soak found problems in {len(report.failures)} scenario(s); rerun "
-              f"one with: kvmetrics soak --scenarios 1 --seed SEED", file=sys.stderr)
+    if report.interrupted:
+        say(f"interrupted ({data['interrupted']}) after {report.scenarios} scenario(s); "
+            "the report covers those")
+        return interrupt_exit_code(Interrupted(report.interrupted))
+    if report.failures:
+        # JSON on stdout stays the whole output; the replay lines go to stderr then.
+        stream = sys.stderr if args.json else sys.stdout
+        print("\nreplay a failing scenario (full summary, findings explained; add "
+              "--report FILE.html), or `kvmetrics soak --explain SEED`:", file=stream)
+        print("\n".join(replay_lines(report.failures, args)), file=stream)
+        if args.report_dir:
+            _explain([(o.seed, o.engine) for o in report.failures[:SHOWN_FAILURES]], args,
+                     show=False)
     return exit_code(report)
 
 
@@ -143,7 +230,8 @@ COMMAND = Command(
     "increment.",
     examples=(
         "kvmetrics soak --scenarios 1000 --jobs auto",
-        "kvmetrics soak --scenarios 1 --seed 66           # rerun one failing scenario",
+        "kvmetrics soak --explain 43 --report-dir .       # explain one failing scenario",
+        "kvmetrics soak --scenarios 20 --report-dir reports/  # a report per failing seed",
         "kvmetrics soak --scenarios 200 --engines reference,vllm --recovery evict",
         "kvmetrics soak --scenarios 10000 --shard 3/8 --json > shard-3.json",
         "kvmetrics soak-merge shard-*.json",

@@ -322,6 +322,13 @@ class MetricsServer:
     endpoint: HTTPEndpoint
     #: Set once the endpoint has served a page.
     scraped: threading.Event = field(default_factory=threading.Event)
+    tls: bool = False
+
+    @property
+    def url(self) -> str:
+        """Where to scrape it, as a person would paste it."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/metrics"
 
     @property
     def port(self) -> int:
@@ -355,7 +362,7 @@ def serve(
     scraped = threading.Event()
     endpoint = start_endpoint(registry, host, port, tls=context,
                               limits=limits, on_page=scraped.set)
-    return MetricsServer(endpoint, scraped)
+    return MetricsServer(endpoint, scraped, tls=context is not None)
 
 
 def parse_host_port(text: str) -> tuple[str, int]:

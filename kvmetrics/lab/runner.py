@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import signal
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +44,17 @@ class EngineStalled(RuntimeError):
     """The engine stopped making progress with requests still unfinished."""
 
 
+class Narrator:
+    """What a run tells a person while it serves metrics (the CLI prints it on stderr;
+    a library caller hears nothing). ``linger`` must wait ``seconds``."""
+
+    def say(self, message: str) -> None:
+        pass
+
+    def linger(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
 @dataclass
 class LabResult:
     summary: dict[str, Any]
@@ -51,6 +63,8 @@ class LabResult:
     findings: list[Any] = field(default_factory=list)
     timeline: TimelineSink | None = None
     config: LabConfig | None = None
+    #: The signal that cut the run short (the summary covers the steps it ran).
+    interrupted: int | None = None
 
     def document(self) -> dict[str, Any]:
         """The run as one JSON document: the summary, the configuration and the timeline
@@ -61,6 +75,14 @@ class LabResult:
         if self.timeline is not None:
             doc["timeline"] = self.timeline.as_dict()
         return doc
+
+
+@dataclass
+class _LoopState:
+    """How far the loop got: what an interrupted run's summary is built from."""
+
+    start: float = field(default_factory=time.monotonic)
+    executed: int = 0
 
 
 def config_dict(cfg: LabConfig) -> dict[str, Any]:
@@ -127,9 +149,14 @@ def _abort_schedule(cfg: LabConfig, items: list[WorkItem]) -> dict[str, int]:
 
 
 def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
-            on_finished: Callable[[LabResult], None] | None = None) -> LabResult:
+            on_finished: Callable[[LabResult], None] | None = None,
+            narrator: Narrator | None = None) -> LabResult:
     """Run a workload to the end. ``on_finished`` sees the result before ``--linger``
-    starts, while the metrics are still served (embedding, tests)."""
+    starts, while the metrics are still served (the CLI writes its outputs there).
+
+    On an interrupt (KeyboardInterrupt) during the steps, ``on_finished`` sees the
+    result so far, with ``interrupted`` set, and the interrupt is raised again."""
+    narrator = narrator or Narrator()
     cfg.validate()
     if items is None:
         items = load_items(cfg)
@@ -160,16 +187,18 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
                 client_cafile=cfg.serve_tls_client_ca))
         except (ValueError, OSError) as e:
             raise LabError(f"cannot serve metrics on {cfg.serve}: {e}") from None
-        scheme = "https" if cfg.serve_tls_cert else "http"
-        log.info("serving metrics on %s://%s:%d/metrics", scheme, server.host, server.port)
+        narrator.say(f"serving metrics on {_url(server)}")
 
     try:
-        if server is not None and cfg.wait_for_scrape \
-                and not server.wait_for_scrape(cfg.wait_for_scrape):
-            raise LabError(f"nothing scraped http://{server.host}:{server.port}/metrics "
-                           f"within {cfg.wait_for_scrape:g} s (--wait-for-scrape)")
+        if server is not None and cfg.wait_for_scrape:
+            narrator.say(f"waiting up to {cfg.wait_for_scrape:g} s for a first scrape of "
+                         f"{_url(server)}")
+            if not server.wait_for_scrape(cfg.wait_for_scrape):
+                raise LabError(f"nothing scraped {_url(server)} within "
+                               f"{cfg.wait_for_scrape:g} s (--wait-for-scrape)")
+            narrator.say("scraped; starting the run")
         return _drive(cfg, items, instrumented, engine, pipeline, prometheus, timeline,
-                      server, on_finished)
+                      server, on_finished, narrator)
     finally:
         engine.close()
         if provider is not None:
@@ -178,40 +207,53 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
             server.stop()
 
 
+def _url(server: MetricsServer) -> str:
+    return server.url
+
+
 def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngine,
            engine: Any, pipeline: MetricsPipeline, prometheus: PrometheusSink,
            timeline: TimelineSink, server: MetricsServer | None,
-           on_finished: Callable[[LabResult], None] | None) -> LabResult:
+           on_finished: Callable[[LabResult], None] | None, narrator: Narrator) -> LabResult:
     progress = Progress(len(items), enabled=cfg.progress)
     aborted: dict[str, int] = {}
+    state = _LoopState()
+    interrupt: KeyboardInterrupt | None = None
     try:
-        executed, wall = _loop(cfg, items, instrumented, engine, timeline, progress, aborted)
+        _loop(cfg, items, instrumented, engine, timeline, progress, aborted, state)
+    except KeyboardInterrupt as e:
+        interrupt = e
     finally:
         progress.close()
     summary = build_summary(pipeline.totals, engine=engine.kind, submitted=len(items),
-                            wall_seconds=wall, steps=executed)
+                            wall_seconds=time.monotonic() - state.start,
+                            steps=state.executed)
     runner = getattr(engine, "runner", None)
     summary["findings"] = explain_findings(cfg, engine.findings,
                                            getattr(runner, "attributions", ()), aborted)
     summary["violations"] = explain_violations(pipeline.violations, pipeline.totals)
     result = LabResult(summary, pipeline, prometheus, engine.findings, timeline, cfg)
+    if interrupt is not None:
+        result.interrupted = int(getattr(interrupt, "signum", signal.SIGINT))
+        summary["interrupted"] = signal.Signals(result.interrupted).name
     if on_finished is not None:
         on_finished(result)
+    if interrupt is not None:
+        raise interrupt
     if server is not None and cfg.linger > 0:
-        log.info("run finished; serving metrics for %.1f more seconds", cfg.linger)
-        time.sleep(cfg.linger)
+        narrator.linger(cfg.linger)
     return result
 
 
 def _loop(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngine,
           engine: Any, timeline: TimelineSink, progress: Progress,
-          aborted: dict[str, int]) -> tuple[int, float]:
-    """Feed arrivals and aborts, step until idle; returns (steps executed, wall seconds).
+          aborted: dict[str, int], state: _LoopState) -> None:
+    """Feed arrivals and aborts, step until idle, counting steps in ``state``.
     ``aborted`` receives the requests the lab aborted, with the step."""
     pending = deque(sorted(items, key=lambda it: it.arrival_s))
     aborts_after = _abort_schedule(cfg, items)
     abort_at: dict[int, list[str]] = {}
-    start = time.monotonic()
+    start = state.start
     clock = 0  # virtual step, advanced by executed and skipped steps
     executed = 0
     arrived = 0
@@ -243,11 +285,11 @@ def _loop(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngin
         instrumented.flush()
         clock += 1
         executed += 1
-        timeline.close_step(executed)
+        state.executed = executed
+        timeline.close_step(executed, time.monotonic() - start)
         done = arrived - engine.num_unfinished()
         progress.update(done, executed)
     progress.update(len(items), executed, force=True)
-    return executed, time.monotonic() - start
 
 
 def _arrivals_due(pending: deque[WorkItem], clock: int, cfg: LabConfig) -> bool:

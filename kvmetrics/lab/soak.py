@@ -15,16 +15,17 @@ reports back together (:mod:`kvmetrics.lab.soak_report`).
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from contextlib import closing
 
 from kvmetrics.lab.config import LabConfig
 from kvmetrics.lab.runner import run_lab
+from kvmetrics.lab.soak_pool import run_in_workers
 from kvmetrics.lab.soak_report import (
     Campaign,
     ScenarioOutcome,
@@ -128,33 +129,44 @@ def _run_task(task: Task) -> ScenarioOutcome:
     return run_scenario(*task)
 
 
-def _outcomes(tasks: list[Task], jobs: int) -> Iterator[ScenarioOutcome]:
+def _died(task: Task, why: str) -> ScenarioOutcome:
+    return ScenarioOutcome(task[0], task[1], 0, 0, 0, error=why)
+
+
+def _outcomes(tasks: list[Task], jobs: int,
+              on_workers: Callable[[list[int]], None] | None) -> Iterator[ScenarioOutcome]:
     if jobs <= 1 or len(tasks) <= 1:
         for task in tasks:
             yield _run_task(task)
         return
-    # spawn, not fork: a forked child of a process that already ran torch's thread
-    # pools can deadlock, and spawn behaves the same on every platform.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=context,
-                             initializer=_init_worker) as pool:
-        # map() yields in task order, so the report does not depend on scheduling.
-        yield from pool.map(_run_task, tasks, chunksize=1)
+    # Results come back in task order, so the report does not depend on scheduling.
+    yield from run_in_workers(tasks, jobs, _run_task, _died, init=_init_worker,
+                              on_start=on_workers)
 
 
 def soak(num_scenarios: int, engines: Sequence[str] = ("reference",), seed: int = 0,
          accounting: str = "unified", verify: str = "full",
          on_progress: Callable[[SoakReport], None] | None = None,
-         recovery: str = "vllm", *, jobs: int = 1, shard: Shard | None = None) -> SoakReport:
-    """Run the campaign's scenarios (``shard``: only its slice) in ``jobs`` processes."""
+         recovery: str = "vllm", *, jobs: int = 1, shard: Shard | None = None,
+         on_workers: Callable[[list[int]], None] | None = None) -> SoakReport:
+    """Run the campaign's scenarios (``shard``: only its slice) in ``jobs`` processes.
+
+    An interrupt (KeyboardInterrupt, or the CLI's SIGTERM handler's subclass of it)
+    stops the workers and returns the report of the scenarios finished so far, with
+    ``interrupted`` set to the signal number."""
     campaign = Campaign(num_scenarios, seed, tuple(engines), accounting, verify, recovery)
     shard = shard or Shard(0, 1)
     seeds = shard.seeds(campaign)
     report = SoakReport(campaign, shard)
     start = time.monotonic()
-    for i, outcome in enumerate(_outcomes(_tasks(campaign, seeds), jobs), start=1):
-        report.add(outcome)
-        if on_progress is not None and i % len(campaign.engines) == 0:
-            on_progress(report)
+    outcomes = _outcomes(_tasks(campaign, seeds), jobs, on_workers)
+    try:
+        with closing(outcomes):  # stops the workers now, not when garbage collected
+            for i, outcome in enumerate(outcomes, start=1):
+                report.add(outcome)
+                if on_progress is not None and i % len(campaign.engines) == 0:
+                    on_progress(report)
+    except KeyboardInterrupt as e:
+        report.interrupted = getattr(e, "signum", signal.SIGINT)
     report.wall_seconds = time.monotonic() - start
     return report

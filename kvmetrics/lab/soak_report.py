@@ -9,6 +9,7 @@ report one process would have written for the whole campaign; only
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -101,6 +102,8 @@ class SoakReport:
     errors: int = 0
     wall_seconds: float = 0.0
     failures: list[ScenarioOutcome] = field(default_factory=list)
+    #: The signal that stopped the campaign early (the counts cover what finished).
+    interrupted: int | None = None
 
     def add(self, outcome: ScenarioOutcome) -> None:
         self.scenarios += 1
@@ -118,7 +121,7 @@ class SoakReport:
         invariant. The historical accounting exists to produce negative increments,
         and the invariants they break (a rollback "from 0 to 128"), so those are
         expected there."""
-        if self.errors or self.verification_failed_blocks:
+        if self.errors or self.verification_failed_blocks or self.interrupted:
             return True
         unified = self.campaign.accounting != "historical"
         return unified and bool(self.invariant_violations or self.guard_rejected_increments)
@@ -138,6 +141,9 @@ class SoakReport:
             "wall_seconds": round(self.wall_seconds, 2),
             "failing_seeds": [o.label for o in self.failures],
             "failures": [asdict(o) for o in self.failures],
+            # Only on a cut-short report, so a complete one is the same for any --jobs.
+            **({"interrupted": signal.Signals(self.interrupted).name}
+               if self.interrupted else {}),
         }
 
     @classmethod

@@ -47,6 +47,8 @@ class _Bucket:
     first_step: int
     last_step: int = 0
     steps: int = 0
+    #: Wall seconds since the run started, at the end of the bucket's last step.
+    wall_s: float | None = None
     counters: dict[str, float] = field(default_factory=dict)
     #: Sum over the bucket's steps of each gauge (divided by ``steps`` on output).
     gauges: dict[str, float] = field(default_factory=dict)
@@ -54,6 +56,7 @@ class _Bucket:
     def absorb(self, other: _Bucket) -> None:
         self.last_step = other.last_step
         self.steps += other.steps
+        self.wall_s = other.wall_s
         for key, value in other.counters.items():
             self.counters[key] = self.counters.get(key, 0.0) + value
         for key, value in other.gauges.items():
@@ -103,12 +106,14 @@ class TimelineSink:
 
     # -- called by the lab loop ------------------------------------------------------
 
-    def close_step(self, step: int) -> None:
-        """Everything recorded since the last call belongs to engine step ``step``."""
+    def close_step(self, step: int, wall_s: float | None = None) -> None:
+        """Everything recorded since the last call belongs to engine step ``step``, which
+        ended ``wall_s`` seconds into the run (for a wall-time axis; None: not known)."""
         bucket = self._open
         if bucket is None:
             bucket = self._open = _Bucket(first_step=step)
         bucket.last_step = step
+        bucket.wall_s = wall_s
         bucket.steps += 1
         for key, value in self._pending.items():
             bucket.counters[key] = bucket.counters.get(key, 0.0) + value
@@ -138,8 +143,12 @@ class TimelineSink:
         """Columnar: one list per series, one entry per bucket (series never set: omitted)."""
         buckets = list(self.buckets) + ([self._open] if self._open is not None else [])
         names = sorted({k for b in buckets for k in b.counters})
+        walls = [b.wall_s for b in buckets]
         return {
             "bucket_steps": self.width,
+            # Only when every bucket knows its wall time (the lab loop records it).
+            **({"wall_s": [round(w, 4) for w in walls]}  # type: ignore[arg-type]
+               if walls and None not in walls else {}),
             "first_step": [b.first_step for b in buckets],
             "last_step": [b.last_step for b in buckets],
             "counters": {n: [_num(b.counters.get(n, 0.0)) for b in buckets] for n in names},

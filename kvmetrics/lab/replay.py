@@ -1,0 +1,92 @@
+"""A lab configuration as the ``kvmetrics run`` command line that reproduces it.
+
+A soak scenario is a :class:`~kvmetrics.lab.config.LabConfig` drawn from a seed;
+to study one, a person wants the exact ``kvmetrics run`` line, not a Python
+function to translate by hand. :data:`RUN_OPTIONS` maps each setting that shapes
+a run to its option; only settings that differ from the defaults are written, and
+``tests/test_lab_replay.py`` checks both that the CLI's defaults equal
+:class:`LabConfig`'s and that the printed line replays a scenario exactly.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, fields
+
+from kvmetrics.lab.config import LabConfig
+
+
+@dataclass(frozen=True)
+class RunOption:
+    field: str
+    flag: str
+    #: ``value``: ``--flag VALUE``; ``on``: a switch that sets True; ``off``: sets False.
+    kind: str = "value"
+
+
+RUN_OPTIONS: tuple[RunOption, ...] = (
+    RunOption("engine", "--engine"),
+    RunOption("workload", "--workload"),
+    RunOption("trace", "--trace"),
+    RunOption("trace_format", "--trace-format"),
+    RunOption("max_requests", "--max-requests"),
+    RunOption("max_tokens", "--max-tokens"),
+    RunOption("step_seconds", "--step-seconds"),
+    RunOption("abort_rate", "--abort-rate"),
+    RunOption("abort_within_steps", "--abort-within-steps"),
+    RunOption("block_size", "--block-size"),
+    RunOption("num_gpu_blocks", "--num-gpu-blocks"),
+    RunOption("max_num_seqs", "--max-num-seqs"),
+    RunOption("max_num_batched_tokens", "--max-num-batched-tokens"),
+    RunOption("store_blocks", "--store-blocks"),
+    RunOption("policy", "--policy"),
+    RunOption("accounting", "--accounting"),
+    RunOption("recovery", "--recovery"),
+    RunOption("async_scheduling", "--async-scheduling", "on"),
+    RunOption("long_prefill_token_threshold", "--long-prefill-token-threshold"),
+    RunOption("reserve_full_prompt", "--no-reserve-full-prompt", "off"),
+    RunOption("fault_rate", "--fault-rate"),
+    RunOption("fault_mode", "--fault-mode"),
+    RunOption("fault_plan", "--fault-plan"),
+    RunOption("kv_dim", "--kv-dim"),
+    RunOption("device", "--device"),
+    RunOption("verify", "--verify"),
+    RunOption("verify_fraction", "--verify-fraction"),
+    RunOption("seed", "--seed"),
+)
+
+#: Settings about watching a run, not its outcome; never part of a replay line.
+NOT_REPLAYED = frozenset({"serve", "linger", "wait_for_scrape", "otlp_endpoint", "strict",
+                          "model_name", "progress", "realtime"})
+
+
+def run_arguments(cfg: LabConfig) -> list[str]:
+    """The ``kvmetrics run`` arguments that rebuild ``cfg`` (its non-default settings)."""
+    default = LabConfig()
+    args: list[str] = []
+    for option in RUN_OPTIONS:
+        value = getattr(cfg, option.field)
+        if value == getattr(default, option.field):
+            continue
+        if option.field == "verify_fraction" and cfg.verify != "sampled":
+            continue  # only meaningful (and only accepted) with --verify sampled
+        if option.kind == "value":
+            args += [option.flag, _text(value)]
+        elif bool(value) == (option.kind == "on"):
+            args.append(option.flag)
+    return args
+
+
+def run_command(cfg: LabConfig) -> str:
+    """The whole line, quoted for a POSIX shell."""
+    return shlex.join(["kvmetrics", "run", *run_arguments(cfg)])
+
+
+def _text(value: object) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def covered_fields() -> set[str]:
+    """Every LabConfig field is either replayed or deliberately not (a new field must
+    be put in one of the two; the test checks)."""
+    return {f.name for f in fields(LabConfig)}
