@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +48,7 @@ from tests.helpers.vllm_server import (
     wait_until,
 )
 
+REPO = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 8
 SHARED = greedy_prompts(1, seed=21, lengths=(100,))[0]
 ABORTED = [SLOW_MARK] + greedy_prompts(1, seed=22, lengths=(99,))[0]
@@ -64,10 +67,12 @@ def defects_server(work, env: dict[str, str]) -> VllmServer:
             "inner_extra_config": {"shared_storage_path": str(work / "kv")},
             "fault_loads": [1, 2], "fault_block": 1},
     }
+    # The server imports the slow inner connector from this repository's tests/.
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     spec = ServerSpec(kv_transfer=kv_transfer, num_gpu_blocks=64, max_model_len=320,
                       extra_args=["--max-num-batched-tokens", "512",
                                   "--long-prefill-token-threshold", "16"],
-                      env=env)
+                      env={**env, "PYTHONPATH": path})
     return VllmServer(spec, work)
 
 

@@ -7,7 +7,7 @@ vLLM's real scheduler as shipped, then once per patch of ``docs/vllm-patches/``
 A seed whose stale reads one patch alone removes is attributed to that defect.
 
     python -m tests.helpers.soak_attribution 3 33 37 43
-    python -m tests.helpers.soak_attribution --from-report soak.json --limit 10
+    python -m tests.helpers.soak_attribution --from-report soak.json
 
 Prints a Markdown table of stale blocks read per seed (``reduced by`` gives the
 count left with each patch that lowers it); docs/vllm.md ("Soak") records a run.
@@ -29,15 +29,28 @@ from kvmetrics.integrations.vllm.scheduler import InstrumentedMixin
 from kvmetrics.lab.soak import run_scenario
 from tests.helpers.vllm_patch import PATCHES, patched_target
 
+#: Instrumented scheduler classes over patched vLLM, built once per set of patches:
+#: copying, patching and importing vLLM's scheduler takes about a second, and a full
+#: attribution needs (patches + 2) x seeds scenarios.
+_built: dict[tuple[str, ...], tuple[type, type]] = {}
+
+
+def _classes(patches: list[Path]) -> tuple[type, type]:
+    key = tuple(p.stem for p in patches)
+    if key not in _built:
+        scratch = Path(tempfile.mkdtemp(prefix="kvmetrics-attribution-"))
+        target = patched_target(patches, scratch)
+        _built[key] = (
+            type("PatchedInstrumented", (InstrumentedMixin, ProtectMixin, target.scheduler), {}),
+            type("PatchedInstrumentedAsync",
+                 (InstrumentedMixin, ProtectMixin, target.async_scheduler), {}))
+    return _built[key]
+
 
 @contextmanager
 def scheduler_with(patches: list[Path]) -> Iterator[None]:
     """The lab's vLLM engine builds its instrumented scheduler over patched vLLM."""
-    scratch = Path(tempfile.mkdtemp(prefix="kvmetrics-attribution-"))
-    target = patched_target(patches, scratch)
-    sync = type("PatchedInstrumented", (InstrumentedMixin, ProtectMixin, target.scheduler), {})
-    asynchronous = type("PatchedInstrumentedAsync",
-                        (InstrumentedMixin, ProtectMixin, target.async_scheduler), {})
+    sync, asynchronous = _classes(patches)
     original = builder.instrumented_cls
     builder.instrumented_cls = (  # type: ignore[assignment]
         lambda config: asynchronous if config.async_scheduling else sync)
@@ -79,6 +92,16 @@ def markdown(rows: list[dict[str, object]]) -> str:
     keys = ["seed", "vllm", "all patches", "fixed by", "reduced by"]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    alone: dict[str, int] = {}
+    for row in rows:
+        for name in str(row["fixed by"]).split(", "):
+            if name != "-":
+                alone[name] = alone.get(name, 0) + 1
+    several = sum(row["fixed by"] == "-" for row in rows)
+    lines += ["", f"{len(rows)} seeds; all patches leave "
+              f"{sum(row['all patches'] != 0 for row in rows)} with a stale read; fixed by one "
+              "patch alone: " + (", ".join(f"{k} {v}" for k, v in sorted(alone.items())) or "none")
+              + f"; by none alone: {several}"]
     return "\n".join(lines)
 
 
@@ -87,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("seeds", nargs="*", type=int)
     parser.add_argument("--from-report", type=Path, help="a `kvmetrics soak --json` report")
-    parser.add_argument("--limit", type=int, default=None, help="first N failing seeds")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="first N failing seeds (default: all of them)")
     args = parser.parse_args(argv)
     seeds = list(args.seeds)
     if args.from_report:
