@@ -86,22 +86,21 @@ def run_in_workers(tasks: Sequence[T], jobs: int, run: Callable[[T], R],
             sentinels = {s.process.sentinel: s for s in busy.values()}
             for ready in wait([*busy, *sentinels]):
                 slot = busy.get(ready) or sentinels[ready]  # type: ignore[call-overload]
-                if slot.index is None:
-                    continue  # its result and its exit were both ready
                 index = slot.index
+                if index is None or slot not in slots:
+                    continue  # its result and its exit were both ready: handled once
+                slot.index = None
                 try:
-                    result = slot.conn.recv() if ready is slot.conn or slot.conn.poll() \
-                        else None
-                    died = result is None
+                    result = slot.conn.recv() if slot.conn.poll() else None
                 except (EOFError, OSError):
-                    died = True
-                if died:
+                    result = None
+                if result is None:  # no result: the worker died holding the task
                     slot.process.join(TERMINATE_GRACE_S)
                     done[index] = on_death(tasks[index], _why(slot.process.exitcode))
+                    slot.conn.close()
                     slots[slots.index(slot)] = slot = _Slot(context, run, init)
                 else:
                     done[index] = result
-                slot.index = None
                 _feed(slot, todo, tasks)
     finally:
         _stop(slots)
