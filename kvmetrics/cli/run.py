@@ -165,7 +165,7 @@ def _misplaced(args: argparse.Namespace) -> str | None:
 def _cheap_checks(args: argparse.Namespace) -> str | None:
     """What can be refused in milliseconds, before torch or an engine is imported."""
     if args.serve:
-        from kvmetrics.exporters.prometheus import parse_host_port
+        from kvmetrics.lab.runner import parse_host_port  # re-exported: cli sits above lab
 
         try:
             host, port = parse_host_port(args.serve)

@@ -47,7 +47,19 @@ class _Slot:
     def __init__(self, context: Any, run: Callable[[Any], Any], init: Callable[[], None]):
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_worker, args=(child, run, init), daemon=True)
-        self.process.start()
+        # The worker starts with SIGINT ignored (an ignored signal stays ignored across
+        # exec, and Python then installs no KeyboardInterrupt handler): a Ctrl-C, sent to
+        # the whole process group, must not print a traceback from a worker that is
+        # still starting up. The parent's own handler is back a moment later.
+        try:
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: signals are not ours to change
+            self.process.start()
+        else:
+            try:
+                self.process.start()
+            finally:
+                signal.signal(signal.SIGINT, previous)
         child.close()
         self.index: int | None = None  # the task it holds
 
