@@ -21,7 +21,7 @@ NAMES = [c.name for c in COMMANDS]
 
 def test_the_commands() -> None:
     assert NAMES == ["run", "report", "soak", "soak-merge", "workloads", "catalogue",
-                     "vllm-check"]
+                     "vllm-check", "demo-model"]
     top = run_cli("--help")
     assert top.returncode == 0
     for name in NAMES:

@@ -67,3 +67,13 @@ def test_printed_replay_line_reproduces_the_stale_reads(tmp_path: Path) -> None:
     assert lines[0] in explained.stdout
     report = (tmp_path / "reference-43.html").read_text()
     assert "chunked-recompute-sharer" in report and "--recovery evict" in report
+
+
+def test_report_groups_the_configuration_as_the_cli_does() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a.choices, dict))
+    run = sub.choices["run"]
+    group_of = {action.dest: group.title for group in run._action_groups
+                for action in group._group_actions}
+    for option in RUN_OPTIONS:
+        assert group_of[option.field] == option.group, option

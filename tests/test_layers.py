@@ -22,8 +22,9 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "instrument": ({"instrument", "metrics"}, set()),
     "kv": ({"kv", "engine", "metrics"}, {"torch", "numpy"}),
     # Not "integrations": engines register through an entry point (test below).
+    # torch: the demo model's weights (lab/demo_model.py), drawn like the data plane's.
     "lab": ({"lab", "engine", "metrics", "exporters", "instrument", "kv"},
-            {"rich", "matplotlib"}),
+            {"rich", "matplotlib", "torch"}),
     "integrations": ({"integrations", "lab", "engine", "metrics", "exporters", "instrument",
                       "kv"}, {"vllm", "prometheus_client", "opentelemetry", "torch"}),
     # The command is the top layer: ``kvmetrics vllm-check`` imports the vLLM canaries

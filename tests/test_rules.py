@@ -16,9 +16,13 @@ from typing import Any
 import pytest
 import yaml
 
-from dashboards.kv_cache_recovery import RUNBOOK_URL
 from dashboards.lint import problems
 from dashboards.queries import TARGET_SERIES
+from tests.test_deploy import _generate_module
+
+_GENERATE = _generate_module()
+RUNBOOK_PLACEHOLDER = _GENERATE.RUNBOOK_PLACEHOLDER
+generate = _GENERATE.main
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -96,7 +100,7 @@ def test_alert_labels_and_annotations(rule: dict[str, Any]) -> None:
     for key in ("summary", "description", "runbook_url"):
         assert annotations.get(key), f"{rule['alert']}: missing annotation {key}"
     url, _, anchor = annotations["runbook_url"].partition("#")
-    assert url == RUNBOOK_URL
+    assert url == f"{RUNBOOK_PLACEHOLDER}/runbook.md"
     assert anchor in github_anchors(RUNBOOK.read_text(encoding="utf-8")), anchor
 
 
@@ -239,3 +243,24 @@ def test_runbook_has_one_section_per_alert() -> None:
 @pytest.mark.parametrize("query", _runbook_queries())
 def test_runbook_queries_name_only_catalogue_series(query: str) -> None:
     assert problems(query, RECORD_NAMES | set(TARGET_SERIES)) == []
+
+
+def test_runbook_base_is_the_operators(tmp_path: Path) -> None:
+    """The placeholder is replaced everywhere by the base the operator gives, and what
+    comes out is still valid rules (promtool) with every alert linking its section."""
+    assert generate(["--runbook-base", "https://wiki.example.com/kv/", "--out-dir",
+                     str(tmp_path)]) == 0
+    rules = (tmp_path / "rules.yml").read_text()
+    assert RUNBOOK_PLACEHOLDER not in rules
+    assert RUNBOOK_PLACEHOLDER not in (tmp_path / "prometheusrule.yaml").read_text()
+    urls = [r["annotations"]["runbook_url"] for g in yaml.safe_load(rules)["groups"]
+            for r in g["rules"] if "alert" in r]
+    assert urls and all(u.startswith("https://wiki.example.com/kv/runbook.md#kvmetrics")
+                        for u in urls), urls
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool not found: bash scripts/install.sh --test installs it"
+    check = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yml")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    with pytest.raises(SystemExit):
+        generate(["--runbook-base", 'https://x" evil', "--out-dir", str(tmp_path)])

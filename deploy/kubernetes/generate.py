@@ -5,7 +5,10 @@ manifests here are derived so that Kubernetes users get exactly the rules that
 promtool tests and the dashboard that the builder produces. tests/test_deploy.py
 fails when a committed manifest is out of date.
 
-Usage: ``python deploy/kubernetes/generate.py [--check]``.
+Usage: ``python deploy/kubernetes/generate.py [--check]``, or, for a deployment,
+``python deploy/kubernetes/generate.py --runbook-base URL --out-dir DIR``: the
+manifests and rules.yml with every alert's ``runbook_url`` under URL (where you
+publish ``docs/``) instead of the ``${KVMETRICS_RUNBOOK_BASE}`` placeholder.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ DASHBOARDS = ROOT / "dashboards"
 
 PROMETHEUS_RULE = HERE / "prometheusrule.yaml"
 DASHBOARD_CONFIGMAP = HERE / "dashboard-configmap.yaml"
+
+#: Stands for the URL of the operator's copy of docs/ in every alert's runbook_url.
+RUNBOOK_PLACEHOLDER = "${KVMETRICS_RUNBOOK_BASE}"
 
 _LABELS = {"app.kubernetes.io/name": "kvmetrics", "app.kubernetes.io/part-of": "kvmetrics"}
 
@@ -94,12 +100,52 @@ def render_dashboard_configmap() -> str:
 OUTPUTS = {PROMETHEUS_RULE: render_prometheus_rule, DASHBOARD_CONFIGMAP: render_dashboard_configmap}
 
 
+def with_runbook_base(text: str, base: str) -> str:
+    """``text`` with the runbook placeholder replaced by ``base`` (checked: an absolute
+    http(s) or file URL, nothing that could break out of a YAML string)."""
+    base = base.rstrip("/")
+    if not base.startswith(("https://", "http://", "file:///")) or any(
+            c in base for c in " \t\n\"'\\{}$#?"):
+        raise ValueError(f"--runbook-base must be an http(s):// or file:/// URL without "
+                         f"quotes, spaces, braces, '$', '#' or '?', got {base!r}")
+    return text.replace(RUNBOOK_PLACEHOLDER, base)
+
+
+def write_deployment(base: str, out_dir: Path) -> list[Path]:
+    """The manifests and rules.yml with the runbook base filled in, into ``out_dir``."""
+    written = []
+    sources = {PROMETHEUS_RULE.name: render_prometheus_rule,
+               DASHBOARD_CONFIGMAP.name: render_dashboard_configmap,
+               RULES.name: lambda: RULES.read_text(encoding="utf-8")}
+    for name, render in sources.items():
+        path = out_dir / name
+        path.write_text(with_runbook_base(render(), base), encoding="utf-8")
+        written.append(path)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument(
         "--check", action="store_true", help="exit 1 if a committed manifest is out of date"
     )
+    parser.add_argument("--runbook-base", metavar="URL",
+                        help="where your copy of docs/ is published; with --out-dir")
+    parser.add_argument("--out-dir", metavar="DIR",
+                        help="write prometheusrule.yaml, dashboard-configmap.yaml and "
+                        "rules.yml with --runbook-base filled in to DIR")
     args = parser.parse_args(argv)
+    if bool(args.runbook_base) != bool(args.out_dir):
+        parser.error("--runbook-base and --out-dir go together")
+    if args.runbook_base:
+        if not Path(args.out_dir).is_dir():
+            parser.error(f"--out-dir {args.out_dir} is not a directory")
+        try:
+            for path in write_deployment(args.runbook_base, Path(args.out_dir)):
+                print(f"wrote {path}")
+        except ValueError as e:
+            parser.error(str(e))
+        return 0
     stale: list[str] = []
     for path, render in OUTPUTS.items():
         text = render()

@@ -8,6 +8,7 @@ and a line in ``COMMANDS``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -17,16 +18,35 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 EXIT_USAGE = 2
+#: An error line never grows past this (a hostile file must not make a 50 MB line).
+MAX_ERROR_CHARS = 400
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written, and every option's default shown in its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "default" in text.lower() or not action.option_strings \
+                or action.default is argparse.SUPPRESS or action.nargs == 0:
+            return text
+        shown = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports errors as one line (no usage dump) and exits 2."""
+    """argparse that reports errors as one line (no usage dump) and exits 2, and takes
+    no abbreviations (``--fault-rat`` must not quietly mean ``--fault-rate``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"kvmetrics: error: {message}\n")
+        self.exit(EXIT_USAGE, f"kvmetrics: error: {one_line(message)}\n")
 
 
 @dataclass(frozen=True)
@@ -48,7 +68,7 @@ def add_command(sub: argparse._SubParsersAction, command: Command) -> argparse.A
         epilog = "examples:\n" + "\n".join(f"  {line}" for line in command.examples)
     parser = sub.add_parser(command.name, help=command.help,
                             description=command.description or command.help, epilog=epilog,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+                            formatter_class=HelpFormatter)
     command.add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     parser.set_defaults(handler=command.run)
@@ -72,9 +92,53 @@ def choice_list(allowed: Callable[[], Iterable[str]], what: str) -> Callable[[st
     return parse
 
 
+def one_line(message: str) -> str:
+    """A message as one bounded line: newlines escaped, the middle cut if too long."""
+    text = message.replace("\r", "\\r").replace("\n", "\\n")
+    if len(text) > MAX_ERROR_CHARS:
+        half = MAX_ERROR_CHARS // 2
+        text = f"{text[:half]} ... {text[-half:]}"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def fail(message: str, code: int = EXIT_USAGE) -> int:
-    print(f"kvmetrics: error: {message}", file=sys.stderr)
+    print(f"kvmetrics: error: {one_line(message)}", file=sys.stderr)
     return code
+
+
+def read_json_file(path: str) -> tuple[Any, str | None]:
+    """(data, None) or (None, the one-line problem): unreadable, not UTF-8, not JSON."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle), None
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror}"
+    except UnicodeDecodeError as e:
+        return None, f"{path}: not UTF-8 text (byte {e.start})"
+    except json.JSONDecodeError as e:
+        return None, f"{path}: not JSON ({e.msg} at line {e.lineno})"
+    except RecursionError:
+        return None, f"{path}: JSON nested too deeply"
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether two paths name one file (existing or not)."""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def clashing_paths(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> str | None:
+    """An output that would overwrite an input or another output ({option: path})."""
+    named = [(o, p) for o, p in outputs.items() if p]
+    for i, (option, path) in enumerate(named):
+        for other, theirs in [*named[:i], *((o, p) for o, p in inputs.items() if p)]:
+            if same_file(path, theirs):
+                return f"{option} {path} is the same file as {other}"
+    return None
 
 
 def setup_logging(verbose: bool) -> None:
@@ -91,6 +155,10 @@ def check_output_path(path: str | None) -> str | None:
         return f"{path} is a directory, not a file"
     if not target.parent.exists():
         return f"output directory {target.parent} does not exist"
+    if not target.parent.is_dir():
+        return f"{target.parent} is not a directory"
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        return f"cannot write in {target.parent}"
     return None
 
 

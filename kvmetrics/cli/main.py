@@ -11,7 +11,16 @@ import sys
 from collections.abc import Sequence
 
 from kvmetrics import __version__
-from kvmetrics.cli import catalogue, report, run, soak, soak_merge, vllm_check, workloads
+from kvmetrics.cli import (
+    catalogue,
+    demo_model,
+    report,
+    run,
+    soak,
+    soak_merge,
+    vllm_check,
+    workloads,
+)
 from kvmetrics.cli.common import (
     EXIT_USAGE,
     Command,
@@ -30,6 +39,7 @@ COMMANDS: tuple[Command, ...] = (
     workloads.COMMAND,
     catalogue.COMMAND,
     vllm_check.COMMAND,
+    demo_model.COMMAND,
 )
 
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from kvmetrics.cli.common import Command, check_output_path, fail, write_atomically
+from kvmetrics.cli.common import (
+    Command,
+    check_output_path,
+    clashing_paths,
+    fail,
+    read_json_file,
+    write_atomically,
+)
 
 
 def _add(p: argparse.ArgumentParser) -> None:
@@ -19,16 +25,13 @@ def _run(args: argparse.Namespace) -> int:
     from kvmetrics.lab.report import ReportInputError, ReportUnavailable, render_report
 
     target = args.output or str(Path(args.run).with_suffix(".html"))
-    problem = check_output_path(target)
+    problem = check_output_path(target) or clashing_paths({"--output": target},
+                                                          {"RUN.json": args.run})
     if problem:
         return fail(f"--output: {problem}")
-    try:
-        with open(args.run, encoding="utf-8") as handle:
-            document = json.load(handle)
-    except OSError as e:
-        return fail(f"cannot read {args.run}: {e.strerror}")
-    except json.JSONDecodeError as e:
-        return fail(f"{args.run}: not JSON ({e.msg} at line {e.lineno})")
+    document, problem = read_json_file(args.run)
+    if problem:
+        return fail(problem)
     try:
         page = render_report(document)
     except ReportInputError as e:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -11,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kvmetrics.cli.common import (
     Command,
     check_output_path,
+    clashing_paths,
     fail,
     say,
     stderr_is_tty,
@@ -50,19 +53,25 @@ def _add(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, metavar="N",
                    help="override every request's output length")
     g.add_argument("--step-seconds", type=float, default=0.02, metavar="S",
-                   help="workload seconds per engine step (maps arrival times to steps)")
+                   help="workload seconds per engine step (maps arrival times to steps; "
+                   "default 0.02)")
     g.add_argument("--realtime", action="store_true",
                    help="pace steps to --step-seconds of wall time (live dashboards, demos)")
     g.add_argument("--abort-rate", type=float, default=0.0, metavar="P",
-                   help="probability that a request is aborted after it arrives")
+                   help="probability that a request is aborted after it arrives "
+                   "(default 0)")
     g.add_argument("--abort-within-steps", type=int, default=40, metavar="N",
                    help="an aborted request goes 1..N steps after it arrives (small N: "
                    "right after admission, when a load it made may just have failed)")
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-gpu-blocks", type=int, default=512)
-    g.add_argument("--max-num-seqs", type=int, default=32)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    g.add_argument("--block-size", type=int, default=16, metavar="N",
+                   help="tokens per KV block")
+    g.add_argument("--num-gpu-blocks", type=int, default=512, metavar="N",
+                   help="KV blocks on the device (block 0 is reserved, as in vLLM)")
+    g.add_argument("--max-num-seqs", type=int, default=32, metavar="N",
+                   help="requests running at once (vLLM's option)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024, metavar="N",
+                   help="tokens scheduled per step (vLLM's option)")
     g.add_argument("--store-blocks", type=int, metavar="N",
                    help="external store capacity in blocks (default 4x GPU blocks; 0: none)")
     g.add_argument("--policy", default="recompute", choices=POLICIES,
@@ -98,15 +107,18 @@ def _add(p: argparse.ArgumentParser) -> None:
                    help='JSON fault plan: {"rate": P, "seed": N, "failures": '
                    '[{"block": I, "request": ID, "step": S}]}')
     g = p.add_argument_group("data plane")
-    g.add_argument("--kv-dim", type=int, default=8)
-    g.add_argument("--device", default="auto", choices=DEVICES)
+    g.add_argument("--kv-dim", type=int, default=8, metavar="N",
+                   help="width of each token's KV vector in the data plane")
+    g.add_argument("--device", default="auto", choices=DEVICES,
+                   help="where the data plane's KV tensors live (auto: cuda if present)")
     g.add_argument("--verify", default="full", choices=VERIFY_MODES,
                    help="full (default), sampled or off; off runs the tensor-less executor "
                    "(same schedule, no KV tensors), so --device and --kv-dim do not apply")
     g.add_argument("--verify-fraction", type=float, metavar="P",
                    help="share of requests verified per step with --verify sampled "
                    f"(default {DEFAULT_VERIFY_FRACTION})")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seeds the workload, the faults and the aborts")
     g = p.add_argument_group("output")
     g.add_argument("--serve", metavar="HOST:PORT",
                    help="serve Prometheus metrics while running (e.g. 127.0.0.1:9400)")
@@ -148,7 +160,34 @@ def _misplaced(args: argparse.Namespace) -> str | None:
         problem = check_output_path(getattr(args, option))
         if problem:
             return f"--{option}: {problem}"
+    clash = clashing_paths({"--output": args.output, "--report": args.report},
+                           {"--trace": args.trace, "--fault-plan": args.fault_plan})
+    if clash:
+        return clash
+    return _cheap_checks(args)
+
+
+def _cheap_checks(args: argparse.Namespace) -> str | None:
+    """What can be refused in milliseconds, before torch or an engine is imported."""
+    if args.serve:
+        from kvmetrics.lab.runner import parse_host_port  # re-exported: cli sits above lab
+
+        try:
+            host, port = parse_host_port(args.serve)
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        except (ValueError, OSError) as e:
+            return f"cannot serve metrics on {args.serve}: {getattr(e, 'strerror', None) or e}"
+    if args.device == "cuda" and args.verify != "off" and not _nvidia_present():
+        return "--device cuda: no CUDA device is available (no NVIDIA driver found)"
     return None
+
+
+def _nvidia_present() -> bool:
+    """Whether an NVIDIA driver is loaded (torch is imported later to be sure)."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/nvidia0")
 
 
 def config_from_args(args: argparse.Namespace) -> LabConfig:

@@ -61,8 +61,12 @@ def _add(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated engines to run each scenario on "
                    f"({', '.join(engine_names())}; default reference)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first scenario")
-    p.add_argument("--accounting", default="unified", choices=ACCOUNTINGS)
-    p.add_argument("--verify", default="full", choices=VERIFY_MODES)
+    p.add_argument("--accounting", default="unified", choices=ACCOUNTINGS,
+                   help="counter accounting of every scenario (historical: the old "
+                   "negative increments, expected there)")
+    p.add_argument("--verify", default="full", choices=VERIFY_MODES,
+                   help="the data-plane verifier's mode in every scenario (off: no stale "
+                   "reads can be found, much faster)")
     p.add_argument("--recovery", default="vllm", choices=RECOVERIES,
                    help="vllm (default: vLLM 0.33's recovery path) or evict (the fix), "
                    "on every engine")
@@ -150,6 +154,8 @@ def _check_outputs(args: argparse.Namespace) -> str | None:
     problem = check_output_path(args.output)
     if problem:
         return f"--output: {problem}"
+    if args.explain is not None and args.explain < 0:
+        return f"--explain: a seed is >= 0, got {args.explain}"
     if args.report_dir is not None and not os.path.isdir(args.report_dir):
         return f"--report-dir: {args.report_dir} is not a directory"
     if args.report_dir is not None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvmetrics.cli.common import Command, check_output_path, fail, write_atomically
+from kvmetrics.cli.common import (
+    Command,
+    check_output_path,
+    clashing_paths,
+    fail,
+    read_json_file,
+    write_atomically,
+)
 from kvmetrics.cli.soak import exit_code, print_report
 
 
@@ -22,15 +29,15 @@ def _run(args: argparse.Namespace) -> int:
     problem = check_output_path(args.output)
     if problem:
         return fail(f"--output: {problem}")
+    clash = clashing_paths({"--output": args.output},
+                           {f"report {i + 1}": path for i, path in enumerate(args.reports)})
+    if clash:
+        return fail(clash)
     reports = []
     for path in args.reports:
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except OSError as e:
-            return fail(f"cannot read {path}: {e.strerror}")
-        except json.JSONDecodeError as e:
-            return fail(f"{path}: not JSON ({e.msg} at line {e.lineno})")
+        data, problem = read_json_file(path)
+        if problem:
+            return fail(problem)
         try:
             reports.append(SoakReport.from_dict(data))
         except SoakReportError as e:

@@ -73,10 +73,12 @@ class FaultPlan:
                 f"fault plan has unknown field(s): {', '.join(map(repr, sorted(unknown)))}")
         rate = data.get("rate", 0.0)
         seed = data.get("seed", 0)
-        if isinstance(rate, bool) or not isinstance(rate, int | float):
-            raise FaultPlanError(f"fault plan 'rate' must be a number, got {rate!r}")
+        if isinstance(rate, bool) or not isinstance(rate, int | float) \
+                or not 0 <= rate <= 1:  # compared before float(): 10**400 has no float
+            raise FaultPlanError(f"fault plan 'rate' must be a number within 0..1, got "
+                                 f"{_short(rate)}")
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise FaultPlanError(f"fault plan 'seed' must be an integer, got {seed!r}")
+            raise FaultPlanError(f"fault plan 'seed' must be an integer, got {_short(seed)}")
         failures = data.get("failures", [])
         if not isinstance(failures, list):
             raise FaultPlanError("fault plan 'failures' must be a list")
@@ -91,7 +93,8 @@ class FaultPlan:
             block, request, step = item["block"], item.get("request"), item.get("step")
             if isinstance(block, bool) or not isinstance(block, int) or block < 0:
                 raise FaultPlanError(f"fault plan failure #{i}: 'block' must be an integer >= 0")
-            if request is not None and not isinstance(request, str):
+            if request is not None and (not isinstance(request, str)
+                                        or not _encodable(request)):
                 raise FaultPlanError(f"fault plan failure #{i}: 'request' must be a string")
             if step is not None and (isinstance(step, bool) or not isinstance(step, int)
                                      or step < 1):
@@ -102,12 +105,32 @@ class FaultPlan:
     @classmethod
     def load(cls, path: str | Path) -> FaultPlan:
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise FaultPlanError(f"cannot read fault plan {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise FaultPlanError(f"fault plan {path}: not UTF-8 text (byte {e.start})") \
+                from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise FaultPlanError(f"fault plan {path}: bad JSON at line {e.lineno}: {e.msg}") \
                 from None
+        except RecursionError:
+            raise FaultPlanError(f"fault plan {path}: JSON nested too deeply") from None
         return cls.from_dict(data)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A value for an error line: never a 400-digit number or a megabyte of JSON."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _encodable(text: str) -> bool:
+    """JSON can spell lone surrogates ("\\ud800") that no output (UTF-8) can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

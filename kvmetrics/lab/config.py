@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from kvmetrics.engine.config import ACCOUNTINGS, POLICIES, RECOVERIES
@@ -13,6 +14,17 @@ from kvmetrics.metrics.labels import check_label_value
 
 VERIFY_MODES = ("full", "sampled", "off")
 DEVICES = ("auto", "cpu", "cuda")
+
+
+#: Upper bounds far above any real engine (a GPU holds ~10^5 blocks), so an absurd
+#: number is one line here instead of a MemoryError or an overflow deep in a run.
+LIMITS = {"block_size": 1 << 16, "num_gpu_blocks": 10_000_000, "max_num_seqs": 1 << 20,
+          "max_num_batched_tokens": 1 << 24, "kv_dim": 1 << 14, "abort_within_steps": 1 << 30,
+          "max_requests": 10_000_000, "max_tokens": 10_000_000}
+#: The data plane keeps GPU and store blocks as float32 tensors; refuse a run whose KV
+#: alone would take more than this share of the machine's memory.
+KV_MEMORY_SHARE = 0.5
+MIN_STEP_SECONDS = 1e-6
 
 
 class LabError(ValueError):
@@ -104,19 +116,31 @@ class LabConfig:
             value = getattr(self, name)
             if value is not None:
                 _positive(name, value)
+        for name, limit in LIMITS.items():
+            value = getattr(self, name)
+            if value is not None and value > limit:
+                raise LabError(f"--{name.replace('_', '-')} must be at most {limit:,}, "
+                               f"got {value:,}")
         if isinstance(self.long_prefill_token_threshold, bool) \
                 or not isinstance(self.long_prefill_token_threshold, int) \
                 or self.long_prefill_token_threshold < 0:
             raise LabError("--long-prefill-token-threshold must be an integer >= 0, "
                            f"got {self.long_prefill_token_threshold!r}")
         if self.store_blocks is not None and (isinstance(self.store_blocks, bool)
-                                              or self.store_blocks < 0):
-            raise LabError(f"--store-blocks must be >= 0, got {self.store_blocks}")
+                                              or not 0 <= self.store_blocks
+                                              <= 4 * LIMITS["num_gpu_blocks"]):
+            raise LabError(f"--store-blocks must be within 0..{4 * LIMITS['num_gpu_blocks']:,}"
+                           f", got {self.store_blocks:,}")
+        if self.long_prefill_token_threshold > LIMITS["max_num_batched_tokens"]:
+            raise LabError("--long-prefill-token-threshold must be at most "
+                           f"{LIMITS['max_num_batched_tokens']:,}")
         _fraction("fault rate", self.fault_rate)
         _fraction("verify fraction", self.verify_fraction)
         _fraction("abort rate", self.abort_rate)
-        if not (math.isfinite(self.step_seconds) and self.step_seconds > 0):
-            raise LabError(f"--step-seconds must be > 0, got {self.step_seconds}")
+        if not (math.isfinite(self.step_seconds) and self.step_seconds >= MIN_STEP_SECONDS):
+            raise LabError(f"--step-seconds must be at least {MIN_STEP_SECONDS:g}, got "
+                           f"{self.step_seconds:g}")
+        self._check_kv_memory()
         if not (math.isfinite(self.linger) and self.linger >= 0):
             raise LabError(f"--linger must be >= 0 seconds, got {self.linger}")
         if not (math.isfinite(self.wait_for_scrape) and self.wait_for_scrape >= 0):
@@ -130,6 +154,20 @@ class LabConfig:
         if (self.serve_tls_cert or self.serve_tls_key or self.serve_tls_client_ca) \
                 and not self.serve:
             raise LabError("--serve-tls-* need --serve (there is no endpoint to secure)")
+
+    def _check_kv_memory(self) -> None:
+        if self.verify == "off":
+            return  # the tensor-less executor holds no KV
+        need = (self.num_gpu_blocks + self.store_capacity) * self.block_size * self.kv_dim * 4
+        try:
+            have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+        if need > KV_MEMORY_SHARE * have:
+            raise LabError(f"the data plane's KV would take {need / 2**30:.1f} GiB, more "
+                           f"than {KV_MEMORY_SHARE:.0%} of this machine's "
+                           f"{have / 2**30:.1f} GiB: lower --num-gpu-blocks, --store-blocks, "
+                           "--block-size or --kv-dim, or run with --verify off")
 
     @property
     def store_capacity(self) -> int:

@@ -22,6 +22,9 @@ class RunOption:
     flag: str
     #: ``value``: ``--flag VALUE``; ``on``: a switch that sets True; ``off``: sets False.
     kind: str = "value"
+    #: The argument group of ``kvmetrics run --help`` it is listed under (the report
+    #: groups the configuration the same way; a test checks they agree).
+    group: str = "workload"
 
 
 RUN_OPTIONS: tuple[RunOption, ...] = (
@@ -34,25 +37,25 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
     RunOption("step_seconds", "--step-seconds"),
     RunOption("abort_rate", "--abort-rate"),
     RunOption("abort_within_steps", "--abort-within-steps"),
-    RunOption("block_size", "--block-size"),
-    RunOption("num_gpu_blocks", "--num-gpu-blocks"),
-    RunOption("max_num_seqs", "--max-num-seqs"),
-    RunOption("max_num_batched_tokens", "--max-num-batched-tokens"),
-    RunOption("store_blocks", "--store-blocks"),
-    RunOption("policy", "--policy"),
-    RunOption("accounting", "--accounting"),
-    RunOption("recovery", "--recovery"),
-    RunOption("async_scheduling", "--async-scheduling", "on"),
-    RunOption("long_prefill_token_threshold", "--long-prefill-token-threshold"),
-    RunOption("reserve_full_prompt", "--no-reserve-full-prompt", "off"),
-    RunOption("fault_rate", "--fault-rate"),
-    RunOption("fault_mode", "--fault-mode"),
-    RunOption("fault_plan", "--fault-plan"),
-    RunOption("kv_dim", "--kv-dim"),
-    RunOption("device", "--device"),
-    RunOption("verify", "--verify"),
-    RunOption("verify_fraction", "--verify-fraction"),
-    RunOption("seed", "--seed"),
+    RunOption("block_size", "--block-size", group="engine"),
+    RunOption("num_gpu_blocks", "--num-gpu-blocks", group="engine"),
+    RunOption("max_num_seqs", "--max-num-seqs", group="engine"),
+    RunOption("max_num_batched_tokens", "--max-num-batched-tokens", group="engine"),
+    RunOption("store_blocks", "--store-blocks", group="engine"),
+    RunOption("policy", "--policy", group="engine"),
+    RunOption("accounting", "--accounting", group="engine"),
+    RunOption("recovery", "--recovery", group="engine"),
+    RunOption("async_scheduling", "--async-scheduling", "on", group="engine"),
+    RunOption("long_prefill_token_threshold", "--long-prefill-token-threshold", group="engine"),
+    RunOption("reserve_full_prompt", "--no-reserve-full-prompt", "off", group="engine"),
+    RunOption("fault_rate", "--fault-rate", group="faults"),
+    RunOption("fault_mode", "--fault-mode", group="faults"),
+    RunOption("fault_plan", "--fault-plan", group="faults"),
+    RunOption("kv_dim", "--kv-dim", group="data plane"),
+    RunOption("device", "--device", group="data plane"),
+    RunOption("verify", "--verify", group="data plane"),
+    RunOption("verify_fraction", "--verify-fraction", group="data plane"),
+    RunOption("seed", "--seed", group="data plane"),
 )
 
 #: Settings about watching a run, not its outcome; never part of a replay line.

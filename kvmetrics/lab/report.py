@@ -11,16 +11,19 @@ guarded increments the exporters saw.
 
 from __future__ import annotations
 
+import bisect
 import html
 import io
 import math
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import accumulate
+from pathlib import Path
 from typing import Any
 
 from kvmetrics import __version__
-from kvmetrics.lab.summary import explanation_lines, summary_rows
+from kvmetrics.lab.summary import summary_rows
 
 #: Series colours; the browser test looks for them in the rendered page.
 COLOURS = {
@@ -90,7 +93,8 @@ class _Timeline:
             self.steps = [int(s) for s in data["last_step"]]
             self.counters = {k: [float(v) for v in vs] for k, vs in data["counters"].items()}
             self.gauges = {k: [float(v) for v in vs] for k, vs in data["gauges"].items()}
-        except (KeyError, TypeError, ValueError) as e:
+            self.wall = [float(w) for w in data.get("wall_s", ())]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ReportInputError(f"the run's timeline is malformed ({e})") from None
         n = len(self.steps)
         for series in (*self.counters.values(), *self.gauges.values()):
@@ -99,6 +103,24 @@ class _Timeline:
 
     def c(self, name: str) -> list[float]:
         return self.counters.get(name, [0.0] * len(self.steps))
+
+    def moved(self, *names: str) -> bool:
+        return any(any(self.counters.get(n, ())) or any(self.gauges.get(n, ())) for n in names)
+
+    def spans(self, name: str) -> list[tuple[float, float]]:
+        """Stretches of consecutive buckets where ``name`` moved, as (first, last) step:
+        one shaded band per stretch, not a line per step."""
+        spans: list[tuple[float, float]] = []
+        previous = 0
+        for step, value in zip(self.steps, self.c(name), strict=True):
+            if value:
+                first = previous + 1
+                if spans and spans[-1][1] >= previous:
+                    spans[-1] = (spans[-1][0], step)
+                else:
+                    spans.append((first, step))
+            previous = step
+        return spans
 
     def marks(self, name: str) -> list[int]:
         return [s for s, v in zip(self.steps, self.c(name), strict=True) if v]
@@ -112,18 +134,25 @@ def _ratio(hits: Sequence[float], queries: Sequence[float]) -> list[float]:
     return [h / q if q else math.nan for h, q in zip(hits, queries, strict=True)]
 
 
-Chart = tuple[str, Callable[[Any, _Timeline], None]]
+@dataclass(frozen=True)
+class Chart:
+    title: str
+    draw: Callable[[Any, _Timeline], None]
+    #: Timeline series of which one must have moved for the chart to be drawn at all.
+    series: tuple[str, ...]
 
 
 def _charts(tl: _Timeline) -> list[Chart]:
-    def line(ax: Any, key: str, values: Sequence[float], label: str) -> None:
-        ax.plot(tl.steps, values, color=COLOURS[key], lw=1.2, label=label)
+    def line(ax: Any, key: str, values: Sequence[float], label: str, **kw: Any) -> None:
+        ax.plot(tl.steps, values, color=COLOURS[key], lw=1.2, label=label, **kw)
 
     def hit_ratio(ax: Any, t: _Timeline) -> None:
         # Dots: the ratio of each step (bucket) that looked anything up; line: the run's
         # ratio so far, which is what the summary's figure converges to.
         for source in ("local", "external"):
             hits, queries = t.c(f"{source}_hit_tokens"), t.c(f"{source}_query_tokens")
+            if not any(queries):
+                continue
             ax.plot(t.steps, _ratio(hits, queries), ".", ms=2.5, color=COLOURS[source],
                     alpha=0.45)
             line(ax, source, _ratio(list(accumulate(hits)), list(accumulate(queries))),
@@ -132,21 +161,39 @@ def _charts(tl: _Timeline) -> list[Chart]:
         ax.set_ylabel("hit tokens / queried")
 
     def loads(ax: Any, t: _Timeline) -> None:
-        line(ax, "ok", t.c("load_blocks_ok"), "ok")
-        line(ax, "failed", t.c("load_blocks_failed"), "failed")
-        ax.set_ylabel(f"blocks {t.per}")
+        # Failed loads are a few per hundred ok ones: on the ok axis they would be a flat
+        # line at zero, so they get their own axis (right, red) and a marker per bucket.
+        line(ax, "ok", t.c("load_blocks_ok"), "ok (left axis)")
+        ax.set_ylabel(f"ok blocks {t.per}")
+        failed = t.c("load_blocks_failed")
+        right = ax.twinx()
+        right.spines["right"].set_visible(True)
+        right.plot(t.steps, failed, color=COLOURS["failed"], lw=1.0, label="failed (right axis)")
+        marks = [(st, v) for st, v in zip(t.steps, failed, strict=True) if v]
+        if marks:
+            right.plot(*zip(*marks, strict=True), "v", color=COLOURS["failed"], ms=3.5)
+        right.set_ylim(0, max(max(failed, default=0), 1) * 1.15)
+        right.set_ylabel("failed blocks", color=COLOURS["failed"])
+        right.tick_params(axis="y", colors=COLOURS["failed"])
+        right.grid(False)
+        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        ax.legend(handles=handles, loc="upper left")
 
     def tokens(ax: Any, t: _Timeline) -> None:
-        line(ax, "rolled_back", t.c("rolled_back_tokens"), "rolled back")
-        line(ax, "recomputed_kv_load_failure", t.c("recomputed_tokens_kv_load_failure"),
-             "recomputed: kv_load_failure")
-        line(ax, "recomputed_preemption", t.c("recomputed_tokens_preemption"),
-             "recomputed: preemption")
+        for key, series, label in (
+                ("rolled_back", "rolled_back_tokens", "rolled back"),
+                ("recomputed_kv_load_failure", "recomputed_tokens_kv_load_failure",
+                 "recomputed: kv_load_failure"),
+                ("recomputed_preemption", "recomputed_tokens_preemption",
+                 "recomputed: preemption")):
+            if t.moved(series):
+                line(ax, key, t.c(series), label)
         ax.set_ylabel(f"tokens {t.per}")
 
     def evictions(ax: Any, t: _Timeline) -> None:
         for cause in ("capacity", "kv_load_failure", "reset"):
-            line(ax, cause, t.c(f"evicted_blocks_{cause}"), cause)
+            if t.moved(f"evicted_blocks_{cause}"):
+                line(ax, cause, t.c(f"evicted_blocks_{cause}"), cause)
         ax.set_ylabel(f"blocks {t.per}")
 
     def preemptions(ax: Any, t: _Timeline) -> None:
@@ -160,49 +207,154 @@ def _charts(tl: _Timeline) -> list[Chart]:
 
     def queues(ax: Any, t: _Timeline) -> None:
         for state in ("running", "waiting", "waiting_for_remote_kv"):
-            line(ax, state, t.gauges.get(state, []), state)
+            if t.moved(state):
+                line(ax, state, t.gauges.get(state, []), state)
         ax.set_ylabel("requests (mean)")
 
     def findings(ax: Any, t: _Timeline) -> None:
-        line(ax, "finding", t.c("verification_failed_blocks"),
-             "stale KV block reads (verifier)")
-        line(ax, "guard", t.c("guard_rejected_increments"), "guard rejections")
-        line(ax, "invariant", t.c("invariant_violations"), "invariant violations")
+        for key, series, label in (
+                ("finding", "verification_failed_blocks", "stale KV block reads (verifier)"),
+                ("guard", "guard_rejected_increments", "guard rejections"),
+                ("invariant", "invariant_violations", "invariant violations")):
+            if t.moved(series):
+                line(ax, key, t.c(series), label, drawstyle="steps-mid")
         ax.set_ylabel(f"events {t.per}")
 
     return [
-        ("Prefix-cache hit ratio", hit_ratio),
-        ("KV loads", loads),
-        ("Rolled-back and recomputed tokens", tokens),
-        ("Evictions by cause", evictions),
-        ("Preemptions", preemptions),
-        ("KV cache usage", usage),
-        ("Requests by state (queue depth)", queues),
-        ("Findings", findings),
+        Chart("Findings", findings, ("verification_failed_blocks",
+                                     "guard_rejected_increments", "invariant_violations")),
+        Chart("KV loads: ok and failed", loads, ("load_blocks_ok", "load_blocks_failed")),
+        Chart("Prefix-cache hit ratio", hit_ratio, ("local_query_tokens",
+                                                    "external_query_tokens")),
+        Chart("Rolled-back and recomputed tokens", tokens, (
+            "rolled_back_tokens", "recomputed_tokens_kv_load_failure",
+            "recomputed_tokens_preemption")),
+        Chart("Evictions by cause", evictions, ("evicted_blocks_capacity",
+                                                "evicted_blocks_kv_load_failure",
+                                                "evicted_blocks_reset")),
+        Chart("Preemptions", preemptions, ("preemptions",)),
+        Chart("KV cache usage", usage, ("kv_cache_usage",)),
+        Chart("Requests by state (queue depth)", queues, ("running", "waiting",
+                                                          "waiting_for_remote_kv")),
     ]
 
 
-def _draw(plt: Any, title: str, draw: Callable[[Any, _Timeline], None], tl: _Timeline,
-          marks: list[int], prefix: str) -> str:
-    fig, ax = plt.subplots(figsize=(6.2, 2.5))
+def _draw(plt: Any, chart: Chart, tl: _Timeline, spans: list[tuple[float, float]],
+          prefix: str) -> str:
+    fig, ax = plt.subplots(figsize=(6.2, 2.6))
     try:
-        for step in marks:  # where the verifier found stale KV, on every chart
-            ax.axvline(step, color=COLOURS["finding"], alpha=0.25, lw=0.8)
-        draw(ax, tl)
-        ax.set_title(title, loc="left")
+        for first, last in spans:  # where the verifier found stale KV, on every chart
+            ax.axvspan(first - 0.5, last + 0.5, color=COLOURS["finding"], alpha=0.10, lw=0)
+        chart.draw(ax, tl)
+        ax.set_title(chart.title, loc="left")
         ax.set_xlabel("engine step")
         if tl.steps:
             ax.set_xlim(0, max(tl.steps[-1], 1))
         bottom, top = ax.get_ylim()
         if bottom < 0 <= top:  # counts and ratios start at zero
             ax.set_ylim(-0.02 * max(top, 1), max(top, 1))
-        ax.legend(loc="upper right")
+        if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper right")
+        _wall_axis(ax, tl)
         fig.tight_layout(pad=0.4)
         buf = io.StringIO()
         fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
     finally:
         plt.close(fig)
     return _inline_svg(buf.getvalue(), prefix)
+
+
+def _wall_axis(ax: Any, tl: _Timeline) -> None:
+    """Wall seconds along the top, mapped from steps by the run's own clock readings."""
+    if len(tl.wall) != len(tl.steps) or len(tl.steps) < 2 or tl.wall[-1] <= 0:
+        return
+    steps = [0.0, *map(float, tl.steps)]
+    wall = list(accumulate([0.0, *tl.wall], max))  # a clock never runs backwards
+
+    def to_wall(x: Any) -> Any:
+        return _interp(x, steps, wall)
+
+    def to_step(w: Any) -> Any:
+        return _interp(w, wall, steps)
+
+    top = ax.secondary_xaxis("top", functions=(to_wall, to_step))
+    top.set_xlabel("wall seconds", fontsize=7, color="#666")
+    top.tick_params(labelsize=7, colors="#666")
+
+
+def _interp(x: Any, xs: list[float], ys: list[float]) -> Any:
+    """Piecewise-linear ``ys`` at ``x`` (an array of positions, as matplotlib passes),
+    clamped at the ends; ``xs`` ascending."""
+    out = x.copy() if hasattr(x, "copy") else list(x)
+    for i, value in enumerate(x):
+        j = min(max(bisect.bisect_right(xs, value), 1), len(xs) - 1)
+        x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+        t = 0.0 if x1 == x0 else min(max((value - x0) / (x1 - x0), 0.0), 1.0)
+        out[i] = y0 + t * (y1 - y0)
+    return out
+
+
+def _summary_template() -> dict[str, Any]:
+    """A summary as a run writes it (of no events): the types every field must have."""
+    from kvmetrics.lab.summary import build_summary
+    from kvmetrics.metrics.totals import Totals
+
+    template = build_summary(Totals(), engine="x", submitted=0, wall_seconds=0.0, steps=0)
+    template["findings"] = {"failed_blocks": 0, "requests": 0, "blocks": 0, "causes": []}
+    template["violations"] = []
+    template["config"] = {}
+    return template
+
+
+def _check_shape(value: Any, template: Any, where: str) -> None:
+    """Refuse a document whose fields have other types than a run writes (an edited or
+    foreign file), naming the field, instead of failing somewhere in the drawing."""
+    if isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise ReportInputError(f"field {where or 'document'!r} must be an object")
+        for key, inner in template.items():
+            if key in value:
+                _check_shape(value[key], inner, f"{where}.{key}" if where else key)
+    elif isinstance(template, list):
+        if not isinstance(value, list):
+            raise ReportInputError(f"field {where!r} must be a list")
+    elif isinstance(template, bool | str):
+        if not isinstance(value, type(template)):
+            raise ReportInputError(f"field {where!r} must be a {type(template).__name__}")
+    elif isinstance(template, int | float) and (
+            isinstance(value, bool) or not isinstance(value, int | float)
+            or not math.isfinite(value)):
+            raise ReportInputError(f"field {where!r} must be a number")
+
+
+CSS = """
+body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1320px;color:#222;
+padding:0 16px}
+h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}
+h3{font-size:13px;margin:12px 0 4px;color:#555;text-transform:uppercase;letter-spacing:.04em}
+.meta{color:#555;margin:0 0 16px}
+.tiles{display:grid;grid-template-columns:repeat(auto-fit,minmax(190px,1fr));gap:10px}
+.tile{border:1px solid #ddd;border-radius:6px;padding:10px 12px;background:#fafafa}
+.tile .v{font-size:26px;font-weight:600}.tile .l{color:#555;font-size:12px}
+.tile.bad{border-color:#d62728;background:#fdf3f3}.tile.bad .v{color:#b01d1e}
+.tile.good{border-color:#2ca02c;background:#f3fbf3}
+.cards{display:grid;gap:10px}
+.card{border:1px solid #e3b4b4;border-left:5px solid #d62728;border-radius:6px;
+padding:10px 14px;background:#fff}
+.card.violation{border-left-color:#ff7f0e;border-color:#f0d0b0}
+.card h4{margin:0 0 4px;font-size:15px}.card .n{color:#555;font-size:12px}
+.card p{margin:6px 0}.card .eg{color:#444;font-size:12.5px}
+.card a{color:#0b5cad}
+.clean{border-left:5px solid #2ca02c;padding:10px 14px;background:#f3fbf3;border-radius:6px}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:12px}
+figure{margin:0;border:1px solid #ddd;border-radius:6px;padding:6px;background:#fff}
+figcaption{font-size:12px;color:#555}
+table{border-collapse:collapse}th,td{text-align:left;padding:3px 12px 3px 0;
+vertical-align:top;border-bottom:1px solid #eee}th{font-weight:600}
+.config{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:4px 24px}
+code{font:12.5px ui-monospace,monospace;background:#f4f4f4;padding:1px 4px;border-radius:3px}
+.replay{white-space:pre-wrap;word-break:break-all}
+"""
 
 
 def _table(rows: Sequence[tuple[str, Any]]) -> str:
@@ -217,58 +369,148 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-CSS = """
-body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1320px;color:#222;
-padding:0 16px}
-h1{font-size:22px;margin:0 0 4px}h2{font-size:17px;margin:28px 0 8px}
-.meta{color:#555;margin:0 0 16px}
-.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:12px}
-figure{margin:0;border:1px solid #ddd;border-radius:6px;padding:6px;background:#fff}
-figcaption{font-size:12px;color:#555}
-table{border-collapse:collapse}th,td{text-align:left;padding:3px 12px 3px 0;
-vertical-align:top;border-bottom:1px solid #eee}th{font-weight:600}
-.findings{border-left:4px solid #d62728;padding:8px 12px;background:#fdf3f3;
-white-space:pre-wrap;font:13px/1.5 ui-monospace,monospace}
-.clean{border-left:4px solid #2ca02c;padding:8px 12px;background:#f3fbf3}
-"""
+def docs_base() -> str:
+    """Where the report's documentation links point: this checkout's docs folder (a
+    file: URI, opened offline) when there is one, else a relative ``docs/``."""
+    here = Path(__file__).resolve().parent.parent.parent / "docs"
+    return here.as_uri() + "/" if (here / "lab.md").is_file() else "docs/"
 
 
-def render_report(document: dict[str, Any]) -> str:
-    """The HTML page for one run document (see :meth:`LabResult.document`)."""
+def _link(target: str, text: str, base: str) -> str:
+    """A docs reference such as ``docs/vllm-defects.md#anchor`` as a real link."""
+    path = target.split(" ", 1)[0]
+    if path.startswith("docs/"):
+        return f'<a href="{html.escape(base + path[len("docs/"):])}">{html.escape(text)}</a>'
+    return f"<code>{html.escape(target)}</code>"
+
+
+def _tiles(doc: dict[str, Any]) -> str:
+    r, k = doc["requests"], doc["kv_load"]
+    loads = k["blocks_ok"] + k["blocks_failed"]
+    share = k["blocks_failed"] / loads if loads else 0.0
+    stale = doc["verification"]["failed_blocks"]
+    verified = doc["verification"]["verified_tokens"]
+    rec = doc["recomputed_tokens"]
+    tiles = [
+        (f"{r['submitted']:,}", f"requests: {r['finished']:,} finished, {r['failed']:,} "
+                                f"failed, {r['aborted']:,} aborted", ""),
+        (f"{share:.1%}", f"of {loads:,} KV block loads failed ({k['blocks_failed']:,})",
+         "bad" if k["blocks_failed"] else ""),
+        (f"{k['failed_requests']:,}", "requests hit by a failed load", ""),
+        (f"{doc['rolled_back_tokens']:,} / {rec['kv_load_failure']:,}",
+         "tokens rolled back / recomputed after failed loads", ""),
+        (f"{stale:,}" if verified else "not verified",
+         "stale KV block reads (verifier)" if verified else "stale reads: run with --verify",
+         "bad" if stale else ("good" if verified else "")),
+    ]
+    return '<div class="tiles">' + "".join(
+        f'<div class="tile {cls}"><div class="v">{html.escape(v)}</div>'
+        f'<div class="l">{html.escape(label)}</div></div>' for v, label, cls in tiles) + "</div>"
+
+
+def _cards(doc: dict[str, Any], base: str) -> str:
+    cards = []
+    findings = doc.get("findings") or {}
+    for c in findings.get("causes") or ():
+        title = c["cause"].replace("_", " ")
+        links = []
+        if c.get("docs"):
+            links.append("why: " + _link(c["docs"], c["docs"].split("#")[-1], base))
+        if c.get("avoid"):
+            links.append("avoid it with " + _link("docs/lab.md#the-command-line", c["avoid"],
+                                                  base))
+        cards.append(
+            f'<div class="card" data-cause="{html.escape(c["cause"])}"><h4>Stale KV: '
+            f'{html.escape(title)}{"" if c["known"] else " (cause unknown)"}</h4>'
+            f'<div class="n">{c["failed_blocks"]:,} block reads by {c["requests"]:,} '
+            f'request(s) in {c["blocks"]:,} block(s), from step {c["first_step"]}</div>'
+            f'<p>{html.escape(str(c["explanation"]))}</p>'
+            f'<p class="eg">e.g. {html.escape(str(c["example"]))}</p>'
+            f'<p>{" &middot; ".join(links)}</p></div>')
+    for v in doc.get("violations") or ():
+        if v["kind"] == "invariant":
+            what = f"invariant {v['invariant']} broken ({v['metric']})"
+        else:
+            what = f"{v['reason'].replace('_', '-')} increments of {v['metric']} rejected"
+        example = v["examples"][0] if v.get("examples") else ""
+        who = (f", first request {html.escape(str(v['first_request']))}"
+               if v["first_request"] else "")
+        cards.append(
+            f'<div class="card violation"><h4>{html.escape(what)}</h4>'
+            f'<div class="n">{v["count"]:,} time(s), first at step {v["first_step"]}{who}'
+            f'</div><p class="eg">e.g. {html.escape(str(example))}</p>'
+            f'<p>{_link("docs/metrics.md", "what the guard and the invariants check", base)}'
+            f"</p></div>")
+    if not cards:
+        return ('<div class="clean">No stale KV read, no guard rejection, no invariant '
+                "violation.</div>")
+    return '<div class="cards">' + "".join(cards) + "</div>"
+
+
+def _config(config: dict[str, Any]) -> str:
+    from kvmetrics.lab.config import LabConfig
+    from kvmetrics.lab.replay import RUN_OPTIONS, run_command
+
+    groups: dict[str, list[tuple[str, Any]]] = {}
+    known = {o.field for o in RUN_OPTIONS}
+    for option in RUN_OPTIONS:
+        if config.get(option.field) is not None:  # unset (no trace, no plan): not shown
+            groups.setdefault(option.group, []).append((option.flag, config[option.field]))
+    other = sorted((k, v) for k, v in config.items() if k not in known)
+    if other:
+        groups["other"] = other
+    parts = [f"<div><h3>{html.escape(name)}</h3>{_table(rows)}</div>"
+             for name, rows in groups.items()]
+    fields = {k: v for k, v in config.items() if k in LabConfig.__dataclass_fields__}
+    replay = run_command(LabConfig(**fields))
+    head = (f'<p>Replay it: <code class="replay">{html.escape(replay)}</code></p>'
+            if replay else "")
+    return head + '<div class="config">' + "".join(parts) + "</div>"
+
+
+def render_report(document: dict[str, Any], docs: str | None = None) -> str:
+    """The HTML page for one run document (see :meth:`LabResult.document`). ``docs``:
+    where documentation links point (default: :func:`docs_base`)."""
     if not isinstance(document, dict) or "timeline" not in document:
         raise ReportInputError("the run document has no timeline (write it with "
                                "`kvmetrics run --output RUN.json`)")
     for key in ("engine", "requests", "steps", "verification"):
         if key not in document:
             raise ReportInputError(f"the run document has no {key!r} field")
+    _check_shape(document, _summary_template(), "")
     tl = _Timeline(document["timeline"])
+    base = docs or docs_base()
+    try:
+        tiles, cards = _tiles(document), _cards(document, base)
+        rows, config = summary_rows(document), _config(document.get("config") or {})
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ReportInputError(f"the run document is malformed ({type(e).__name__}: "
+                               f"{str(e)[:80]})") from None
     plt = _pyplot()
-    marks = tl.marks("verification_failed_blocks")
+    spans = tl.spans("verification_failed_blocks")
     figures = []
-    for i, (title, draw) in enumerate(_charts(tl)):
-        svg = _draw(plt, title, draw, tl, marks, f"c{i}-")
+    for i, chart in enumerate(c for c in _charts(tl) if tl.moved(*c.series)):
+        svg = _draw(plt, chart, tl, spans, f"c{i}-")
         figures.append(f'<figure class="chart" data-chart="{i}">{svg}'
                        f"<figcaption>{html.escape(tl.per)}"
-                       f"{'; red lines: steps with stale KV reads' if marks else ''}"
+                       f"{'; red bands: steps with stale KV reads' if spans else ''}"
                        f"</figcaption></figure>")
-    notes = explanation_lines(document)
-    if notes:
-        findings = f'<div class="findings">{html.escape(chr(10).join(notes))}</div>'
-    else:
-        findings = ('<div class="clean">No stale KV read, no guard rejection, no invariant '
-                    "violation.</div>")
-    config = document.get("config") or {}
     r = document["requests"]
-    meta = (f"engine {document['engine']} &middot; {r['submitted']} requests &middot; "
-            f"{document['steps']} steps &middot; {document.get('wall_seconds', 0):.2f} s "
-            f"&middot; kvmetrics {html.escape(__version__)}")
+    interrupted = document.get("interrupted")
+    meta = (f"engine {html.escape(str(document['engine']))} &middot; {r['submitted']:,} "
+            f"requests &middot; {document['steps']:,} steps &middot; "
+            f"{document.get('wall_seconds', 0):.2f} s &middot; kvmetrics "
+            f"{html.escape(__version__)}"
+            + (f" &middot; <b>interrupted ({html.escape(str(interrupted))}): partial run</b>"
+               if interrupted else ""))
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         "<title>kvmetrics run report</title>", f"<style>{CSS}</style></head><body>",
         "<h1>kvmetrics run report</h1>", f'<p class="meta">{meta}</p>',
-        '<h2 id="findings">Findings</h2>', findings,
+        tiles,
+        '<h2 id="findings">Findings</h2>', cards,
         '<h2 id="charts">Over the run</h2>', '<div class="grid">', *figures, "</div>",
-        '<h2 id="summary">Summary</h2>', _table(summary_rows(document)),
-        '<h2 id="configuration">Configuration</h2>', _table(sorted(config.items())),
+        '<h2 id="summary">Summary</h2>', _table(rows),
+        '<h2 id="configuration">Configuration</h2>', config,
         "</body></html>", ""])

@@ -47,7 +47,19 @@ class _Slot:
     def __init__(self, context: Any, run: Callable[[Any], Any], init: Callable[[], None]):
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_worker, args=(child, run, init), daemon=True)
-        self.process.start()
+        # The worker starts with SIGINT ignored (an ignored signal stays ignored across
+        # exec, and Python then installs no KeyboardInterrupt handler): a Ctrl-C, sent to
+        # the whole process group, must not print a traceback from a worker that is
+        # still starting up. The parent's own handler is back a moment later.
+        try:
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: signals are not ours to change
+            self.process.start()
+        else:
+            try:
+                self.process.start()
+            finally:
+                signal.signal(signal.SIGINT, previous)
         child.close()
         self.index: int | None = None  # the task it holds
 
@@ -86,22 +98,21 @@ def run_in_workers(tasks: Sequence[T], jobs: int, run: Callable[[T], R],
             sentinels = {s.process.sentinel: s for s in busy.values()}
             for ready in wait([*busy, *sentinels]):
                 slot = busy.get(ready) or sentinels[ready]  # type: ignore[call-overload]
-                if slot.index is None:
-                    continue  # its result and its exit were both ready
                 index = slot.index
+                if index is None or slot not in slots:
+                    continue  # its result and its exit were both ready: handled once
+                slot.index = None
                 try:
-                    result = slot.conn.recv() if ready is slot.conn or slot.conn.poll() \
-                        else None
-                    died = result is None
+                    result = slot.conn.recv() if slot.conn.poll() else None
                 except (EOFError, OSError):
-                    died = True
-                if died:
+                    result = None
+                if result is None:  # no result: the worker died holding the task
                     slot.process.join(TERMINATE_GRACE_S)
                     done[index] = on_death(tasks[index], _why(slot.process.exitcode))
+                    slot.conn.close()
                     slots[slots.index(slot)] = slot = _Slot(context, run, init)
                 else:
                     done[index] = result
-                slot.index = None
                 _feed(slot, todo, tasks)
     finally:
         _stop(slots)

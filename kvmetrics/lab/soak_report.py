@@ -14,6 +14,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvmetrics.engine.config import ACCOUNTINGS, RECOVERIES
+from kvmetrics.lab.config import VERIFY_MODES
+
 #: Bumped when the report's shape changes; a merge refuses other versions.
 REPORT_VERSION = 1
 COUNTS = ("invariant_violations", "guard_rejected_increments", "verification_failed_blocks",
@@ -148,18 +151,101 @@ class SoakReport:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SoakReport:
+        """A report read back from JSON, checked for being one `kvmetrics soak` could have
+        written: every count a non-negative integer, the failures inside the shard's
+        seed range and adding up to the counts (an edited report is refused)."""
         if not isinstance(data, dict) or data.get("version") != REPORT_VERSION:
             raise SoakReportError(f"not a version-{REPORT_VERSION} soak report")
         try:
+            campaign = Campaign.from_dict(data["campaign"])
+            _check_campaign(campaign)
             shard = Shard.parse(data["shard"]) if data["shard"] else None
-            report = cls(Campaign.from_dict(data["campaign"]), shard,
-                         scenarios=int(data["scenarios"]),
+            if shard is not None and shard.count > campaign.scenarios:
+                raise SoakReportError(f"shard {shard} of {campaign.scenarios} scenarios is "
+                                      "empty")
+            report = cls(campaign, shard, scenarios=_count(data, "scenarios"),
                          wall_seconds=float(data["wall_seconds"]),
-                         failures=[ScenarioOutcome(**o) for o in data["failures"]],
-                         **{key: int(data[key]) for key in COUNTS})
-        except (KeyError, TypeError, ValueError) as e:
-            raise SoakReportError(f"malformed soak report ({type(e).__name__}: {e})") from None
+                         failures=[_outcome(o) for o in data["failures"]],
+                         **{key: _count(data, key) for key in COUNTS})
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, SoakReportError):
+                raise
+            raise SoakReportError(f"malformed soak report ({type(e).__name__}: "
+                                  f"{str(e)[:80]})") from None
+        if data.get("interrupted"):
+            raise SoakReportError(f"the report of shard {shard or '0/1'} was interrupted "
+                                  f"({str(data['interrupted'])[:20]}); rerun that shard")
+        report._check_consistent()
         return report
+
+    def _check_consistent(self) -> None:
+        seeds = self.seed_range()
+        expected = len(seeds) * len(self.campaign.engines)
+        if self.scenarios > expected:
+            raise SoakReportError(f"{self.scenarios} scenarios in a shard of {expected}")
+        seen: set[tuple[int, str]] = set()
+        for o in self.failures:
+            if o.seed not in seeds or o.engine not in self.campaign.engines:
+                raise SoakReportError(f"failure {o.engine[:40]}:{o.seed} is outside the "
+                                      f"shard's seeds {seeds.start}..{seeds.stop - 1}")
+            if (o.seed, o.engine) in seen or o.clean:
+                raise SoakReportError(f"failure {o.engine[:40]}:{o.seed} is listed twice or "
+                                      "has nothing failed")
+            seen.add((o.seed, o.engine))
+        if len(self.failures) > self.scenarios:
+            raise SoakReportError(f"{len(self.failures)} failures in {self.scenarios} "
+                                  "scenarios")
+        sums = {"invariant_violations": 0, "guard_rejected_increments": 0,
+                "verification_failed_blocks": 0, "errors": 0}
+        for o in self.failures:
+            sums["invariant_violations"] += o.invariant_violations
+            sums["guard_rejected_increments"] += o.guard_rejected_increments
+            sums["verification_failed_blocks"] += o.verification_failed_blocks
+            sums["errors"] += o.error is not None
+        for key, total in sums.items():
+            if getattr(self, key) != total:
+                raise SoakReportError(f"{key} is {getattr(self, key)} but its failures add "
+                                      f"up to {total}")
+
+
+#: What a campaign's modes may be (the values `kvmetrics soak` accepts).
+_MODES = {"accounting": ACCOUNTINGS, "verify": VERIFY_MODES, "recovery": RECOVERIES}
+#: No campaign is this large; a bigger number is an edited or corrupt report.
+_MAX_SCENARIOS = 10**9
+
+
+def _check_campaign(c: Campaign) -> None:
+    if not 1 <= c.scenarios <= _MAX_SCENARIOS:
+        raise SoakReportError(f"campaign scenarios must be within 1..{_MAX_SCENARIOS:,}")
+    if not c.engines or len(c.engines) > 16 or not all(
+            isinstance(e, str) and 0 < len(e) <= 40 for e in c.engines):
+        raise SoakReportError("campaign engines must be 1..16 names")
+    for mode, allowed in _MODES.items():
+        if getattr(c, mode) not in allowed:
+            raise SoakReportError(f"campaign {mode} must be one of {', '.join(allowed)}")
+
+
+def _count(data: dict[str, Any], key: str) -> int:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SoakReportError(f"{key} must be an integer >= 0, got {repr(value)[:40]}")
+    return value
+
+
+def _outcome(data: Any) -> ScenarioOutcome:
+    if not isinstance(data, dict):
+        raise SoakReportError("each failure must be an object")
+    keys = ("seed", "engine", "invariant_violations", "guard_rejected_increments",
+            "verification_failed_blocks", "error")
+    if set(data) != set(keys):
+        raise SoakReportError(f"a failure must have exactly the fields {', '.join(keys)}")
+    error = data["error"]
+    if not (isinstance(data["seed"], int) and not isinstance(data["seed"], bool)
+            and isinstance(data["engine"], str) and (error is None or isinstance(error, str))):
+        raise SoakReportError("a failure's seed is an integer, its engine and error strings")
+    return ScenarioOutcome(data["seed"], data["engine"], _count(data, "invariant_violations"),
+                           _count(data, "guard_rejected_increments"),
+                           _count(data, "verification_failed_blocks"), error)
 
 
 def merge_reports(reports: Sequence[SoakReport]) -> SoakReport:
@@ -169,8 +255,9 @@ def merge_reports(reports: Sequence[SoakReport]) -> SoakReport:
     campaign = reports[0].campaign
     for r in reports:
         if r.campaign != campaign:
-            raise SoakReportError(f"reports of different campaigns: {r.campaign.as_dict()} vs "
-                                  f"{campaign.as_dict()}")
+            differ = [k for k, v in r.campaign.as_dict().items() if campaign.as_dict()[k] != v]
+            raise SoakReportError(f"reports of different campaigns (they differ in "
+                                  f"{', '.join(differ)})")
     shards = [r.shard or Shard(0, 1) for r in reports]
     count = shards[0].count
     if any(s.count != count for s in shards):
@@ -180,8 +267,8 @@ def merge_reports(reports: Sequence[SoakReport]) -> SoakReport:
     if seen != list(range(count)):
         missing = sorted(set(range(count)) - set(seen))
         twice = sorted({i for i in seen if seen.count(i) > 1})
-        what = [f"missing {', '.join(f'{i}/{count}' for i in missing)}" if missing else "",
-                f"given twice {', '.join(f'{i}/{count}' for i in twice)}" if twice else ""]
+        what = [f"missing {_some(missing, count)}" if missing else "",
+                f"given twice {_some(twice, count)}" if twice else ""]
         raise SoakReportError("incomplete set of shards: " + "; ".join(w for w in what if w))
     for r in reports:
         expected = len(r.seed_range()) * len(campaign.engines)
@@ -198,3 +285,9 @@ def merge_reports(reports: Sequence[SoakReport]) -> SoakReport:
         merged.failures.extend(r.failures)
     merged.failures.sort(key=lambda o: (o.seed, order.get(o.engine, len(order))))
     return merged
+
+
+def _some(indexes: list[int], count: int, shown: int = 5) -> str:
+    """A few shard names and how many more: bounded, whatever the shard count."""
+    names = ", ".join(f"{i}/{count}" for i in indexes[:shown])
+    return names + (f" and {len(indexes) - shown:,} more" if len(indexes) > shown else "")

@@ -29,6 +29,13 @@ from kvmetrics.lab.workload import WorkItem
 
 FORMATS = ("kvmetrics", "mooncake")
 MOONCAKE_BLOCK_TOKENS = 512
+#: Bounds that no real trace reaches (a 10M-token prompt, a request a year in), so an
+#: absurd number is refused with its line instead of overflowing later.
+MAX_TOKENS = 10_000_000
+MAX_ARRIVAL_S = 365 * 24 * 3600.0
+MAX_ID_CHARS = 200
+#: Fields that only a Mooncake record has: a hint when one is read as kvmetrics JSONL.
+MOONCAKE_FIELDS = frozenset({"timestamp", "input_length", "hash_ids"})
 
 
 class TraceError(ValueError):
@@ -56,16 +63,23 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     except OSError as e:
         raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
     with handle:
-        for lineno, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path}:{lineno}: bad JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise TraceError(f"{path}:{lineno}: each line must be a JSON object")
-            yield lineno, record
+        lineno = 0
+        try:
+            for lineno, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TraceError(f"{path}:{lineno}: bad JSON ({e.msg})") from None
+                except RecursionError:
+                    raise TraceError(f"{path}:{lineno}: JSON nested too deeply") from None
+                if not isinstance(record, dict):
+                    raise TraceError(f"{path}:{lineno}: each line must be a JSON object")
+                yield lineno, record
+        except UnicodeDecodeError:
+            raise TraceError(f"{path}: not UTF-8 text (after line {lineno})") from None
+
 
 
 def _int(record: dict[str, Any], key: str, where: str, minimum: int = 0) -> int:
@@ -73,19 +87,23 @@ def _int(record: dict[str, Any], key: str, where: str, minimum: int = 0) -> int:
         raise TraceError(f"{where}: missing field {key!r}")
     value = record[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TraceError(f"{where}: {key!r} must be an integer, got {value!r}")
+        raise TraceError(f"{where}: {key!r} must be an integer, got {repr(value)[:40]}")
     if value < minimum:
         raise TraceError(f"{where}: {key!r} must be >= {minimum}, got {value}")
+    if value > MAX_TOKENS:
+        raise TraceError(f"{where}: {key!r} is absurdly large (over {MAX_TOKENS:,})")
     return value
 
 
-def _number(record: dict[str, Any], key: str, where: str) -> float:
+def _number(record: dict[str, Any], key: str, where: str, scale: float = 1.0) -> float:
     if key not in record:
         raise TraceError(f"{where}: missing field {key!r}")
     value = record[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or value < 0:
-        raise TraceError(f"{where}: {key!r} must be a finite number >= 0, got {value!r}")
+    # Compared, never converted first: 10**400 has no float, and NaN fails both bounds.
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not 0 <= value <= scale * MAX_ARRIVAL_S:
+        raise TraceError(f"{where}: {key!r} must be a number from 0 to a year "
+                         f"({scale * MAX_ARRIVAL_S:g}), got {repr(value)[:40]}")
     return float(value)
 
 
@@ -106,10 +124,15 @@ def _parse_kvmetrics(record: dict[str, Any], index: int, where: str) -> WorkItem
              "block_tokens", "output_length"}
     unknown = set(record) - known
     if unknown:
-        raise TraceError(f"{where}: unknown field(s) {', '.join(map(repr, sorted(unknown)))}")
+        hint = ("; this looks like a Mooncake trace: add --trace-format mooncake"
+                if unknown & MOONCAKE_FIELDS else "")
+        names = ", ".join(repr(name)[:40] for name in sorted(unknown)[:5])
+        raise TraceError(f"{where}: unknown field(s) {names}{hint}")
     rid = record.get("id", f"req-{index:06d}")
-    if not isinstance(rid, str) or not rid:
-        raise TraceError(f"{where}: 'id' must be a non-empty string")
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_CHARS \
+            or not rid.isprintable() or not _encodable(rid):
+        raise TraceError(f"{where}: 'id' must be a non-empty string of at most "
+                         f"{MAX_ID_CHARS} printable characters (valid Unicode)")
     arrival = _number(record, "arrival_s", where)
     output = _int(record, "output_length", where, minimum=1)
     prompt: PromptTokens
@@ -133,10 +156,19 @@ def _parse_kvmetrics(record: dict[str, Any], index: int, where: str) -> WorkItem
 
 
 def _parse_mooncake(record: dict[str, Any], index: int, where: str) -> WorkItem:
-    timestamp_ms = _number(record, "timestamp", where)
+    timestamp_ms = _number(record, "timestamp", where, scale=1000.0)
     length = _int(record, "input_length", where, minimum=1)
     output = _int(record, "output_length", where, minimum=1)
     if "hash_ids" not in record:
         raise TraceError(f"{where}: missing field 'hash_ids'")
     prompt = _block_prompt(record["hash_ids"], length, MOONCAKE_BLOCK_TOKENS, where, "hash_ids")
     return WorkItem(f"mc-{index:06d}", timestamp_ms / 1000.0, prompt, output, stop_on_eos=False)
+
+
+def _encodable(text: str) -> bool:
+    """JSON can spell lone surrogates ("\\ud800") that no output (UTF-8) can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

