@@ -175,24 +175,22 @@ class VllmServer:
                 raise ServerError(f"{self.name} not healthy after {timeout:g} s:\n"
                                   f"{self.log_tail()}")
             time.sleep(0.5)
-        if self.spec.kvmetrics_endpoint and self.spec.scheduler_cls and \
-                "KVMETRICS_METRICS_ADDR" not in self.spec.env:
-            self.kvmetrics_port = self._bound_kvmetrics_port(deadline)
+        if self.spec.kvmetrics_endpoint and self.spec.scheduler_cls:
+            self.kvmetrics_port = self._bound_kvmetrics_port()
         self.started_s = time.monotonic() - t0
         return self
 
-    def _bound_kvmetrics_port(self, deadline: float) -> int:
-        """The port the EngineCore's kvmetrics endpoint bound (written before the
-        engine reports ready, so normally there at once)."""
+    def _bound_kvmetrics_port(self, wait: float = 5.0) -> int:
+        """The port the EngineCore's kvmetrics endpoint bound, or 0 if it reported none
+        (export off, or the bind failed: scraping it then says so, with the log). The
+        file is written before the engine reports ready, so normally it is there."""
+        deadline = time.monotonic() + wait
         while True:
             text = self.port_file.read_text().strip() if self.port_file.exists() else ""
             if text.isdigit():
                 return int(text)
-            if time.monotonic() > deadline or self.process is None \
-                    or self.process.poll() is not None:
-                self.stop()
-                raise ServerError(f"{self.name}: the kvmetrics endpoint never reported its "
-                                  f"port:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                return 0
             time.sleep(0.1)
 
     def run_to_exit(self, timeout: float = 240.0) -> int:
@@ -305,6 +303,9 @@ class VllmServer:
         return self._get(f"{self.url}/metrics", "vLLM API server")
 
     def kvmetrics_metrics(self) -> str:
+        if not self.kvmetrics_port:
+            raise ServerError(f"{self.name}: no kvmetrics endpoint reported its port "
+                              f"(KVMETRICS_METRICS_PORT_FILE):\n{self.log_tail()}")
         return self._get(f"http://127.0.0.1:{self.kvmetrics_port}/metrics",
                          "kvmetrics endpoint in the EngineCore")
 
