@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import Row
-from tests.helpers.vllm_server import ServerSpec, VllmServer, greedy_prompts
+from tests.helpers.vllm_server import ServerSpec, VllmServer, greedy_prompts, total
 
 TARGET = 1.02
 #: vLLM's worker busy-polls its message queue for a second after the last step
@@ -66,6 +66,11 @@ def _cpu_seconds(server: VllmServer) -> tuple[float, float]:
             core += used
     hz = os.sysconf("SC_CLK_TCK")
     return ticks / hz, core / hz
+
+
+def _hooks_cpu(server: VllmServer) -> float:
+    """kvmetrics' own CPU seconds so far, as the instrumented server exports them."""
+    return total(server.kvmetrics_metrics(), "kvmetrics_instrumentation_cpu_seconds_total")
 
 
 def _drive(server: VllmServer, prompts: list[list[int]], concurrency: int,
@@ -129,14 +134,19 @@ def measure(quick: bool = False, verbose: bool = False) -> dict[str, float]:
             for server in (bare, instrumented):  # warm-up: first requests are slower
                 _drive(server, prompts[:concurrency], concurrency, max_tokens)
             ratios, cpu_ratios, core_ratios, t_bare, t_inst = [], [], [], [], []
+            hooks_shares: list[float] = []
             with _Scraper(scrape_url) as scraper:
                 for i in range(rounds):
                     order = (bare, instrumented) if i % 2 == 0 else (instrumented, bare)
                     times, cpu, core = {}, {}, {}
                     for server in order:
                         time.sleep(SETTLE_S)
+                        hooks_before = _hooks_cpu(instrumented)
                         times[server.name], cpu[server.name], core[server.name] = _drive(
                             server, prompts, concurrency, max_tokens)
+                        if server is instrumented:
+                            hooks_shares.append((_hooks_cpu(instrumented) - hooks_before)
+                                                / core["instrumented"])
                     t_bare.append(times["bare"])
                     t_inst.append(times["instrumented"])
                     ratios.append(times["instrumented"] / times["bare"])
@@ -158,6 +168,8 @@ def measure(quick: bool = False, verbose: bool = False) -> dict[str, float]:
             "cpu_high": max(cpu_ratios),
             "core_ratio": statistics.median(core_ratios), "core_low": min(core_ratios),
             "core_high": max(core_ratios),
+            "hooks_share": statistics.median(hooks_shares), "hooks_low": min(hooks_shares),
+            "hooks_high": max(hooks_shares),
             "bare_s": statistics.median(t_bare), "instrumented_s": statistics.median(t_inst),
             "requests": float(count), "rounds": float(rounds),
             "tokens_per_s": count * max_tokens / statistics.median(t_bare)}
@@ -176,6 +188,10 @@ def run(quick: bool = False) -> list[Row]:
         Row("vllm serve EngineCore CPU time, instrumented / bare",
             f"the scheduler's process, median (spread {m['core_low']:.3f}.."
             f"{m['core_high']:.3f})", m["core_ratio"], "x"),
+        Row("vllm serve kvmetrics CPU / EngineCore CPU",
+            f"kvmetrics_instrumentation_cpu_seconds_total per round, median (spread "
+            f"{100 * m['hooks_low']:.2f}..{100 * m['hooks_high']:.2f} %)",
+            100 * m["hooks_share"], "%"),
         Row("vllm serve wall time per round", "bare / instrumented (median)",
             m["bare_s"], f"s / {m['instrumented_s']:.3g} s"),
         Row("vllm serve throughput, bare", "generated tokens per second", m["tokens_per_s"],
@@ -191,7 +207,9 @@ def main() -> int:
     print(f"wall instrumented / bare: {m['ratio']:.3f}x (rounds {m['low']:.3f}.."
           f"{m['high']:.3f}); CPU: {m['cpu_ratio']:.3f}x "
           f"({m['cpu_low']:.3f}..{m['cpu_high']:.3f}); EngineCore CPU: {m['core_ratio']:.3f}x "
-          f"({m['core_low']:.3f}..{m['core_high']:.3f}); "
+          f"({m['core_low']:.3f}..{m['core_high']:.3f}); kvmetrics CPU / EngineCore CPU: "
+          f"{100 * m['hooks_share']:.2f}% ({100 * m['hooks_low']:.2f}.."
+          f"{100 * m['hooks_high']:.2f}); "
           f"bare {m['bare_s']:.2f} s, instrumented {m['instrumented_s']:.2f} s per round")
     return 0
 

@@ -367,6 +367,17 @@ def exporter_health() -> Panels:
             legend="{{hook}}", steps=p.ANY_IS_BAD, width=6, height=6,
         ),
         p.time_series(
+            "kvmetrics overhead",
+            "CPU time kvmetrics' own metrics work takes on each engine's scheduler thread, "
+            "as a share of one core (rate of kvmetrics_instrumentation_cpu_seconds_total). "
+            "Compare with the EngineCore's CPU from your node or container metrics; "
+            "docs/benchmarks.md gives the share of vLLM's scheduler CPU time.",
+            p.RATIO,
+            [(f"sum by (instance, engine) (rate({sel(c.INSTRUMENTATION_CPU.name)}"
+              f"[$__rate_interval]))", "{{instance}} engine {{engine}}")],
+            steps=((None, "green"), (0.05, "yellow"), (0.2, "red")), width=6,
+        ),
+        p.time_series(
             "Samples per scrape",
             "Series exposed per target: a sudden rise means a label's cardinality grew.",
             p.COUNT,

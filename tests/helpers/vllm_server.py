@@ -79,6 +79,15 @@ def vllm_cpu_python() -> Path:
     return python
 
 
+def vllm_overlay(version: str) -> Path:
+    """The folder holding vLLM ``version`` for PYTHONPATH; a clear error if missing."""
+    folder = ROOT / ".vllm-versions" / version
+    if not (folder / "vllm" / "__init__.py").exists():
+        raise ServerError(f"vLLM {version} not found in {folder}: run `KVMETRICS_VLLM_VERSIONS="
+                          f"{version} bash scripts/install-vllm-versions.sh`")
+    return folder
+
+
 @dataclass
 class ServerSpec:
     """How to start one server; every field maps to a ``vllm serve`` flag or env var."""
@@ -94,6 +103,9 @@ class ServerSpec:
     kvmetrics_endpoint: bool = True
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    #: An older vLLM from ``scripts/install-vllm-versions.sh`` (e.g. "0.30.0"), laid over
+    #: the vllm-cpu venv with PYTHONPATH; None: the venv's own vLLM.
+    vllm_version: str | None = None
 
 
 class VllmServer:
@@ -149,6 +161,10 @@ class VllmServer:
         env["KVMETRICS_METRICS_ADDR"] = ("127.0.0.1:0" if self.spec.kvmetrics_endpoint
                                          else "off")
         env["KVMETRICS_METRICS_PORT_FILE"] = str(self.port_file)
+        if self.spec.vllm_version is not None:
+            overlay = vllm_overlay(self.spec.vllm_version)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(overlay), str(ROOT), env.get("PYTHONPATH", "")) if p)
         env.update(self.spec.env)
         return env
 

@@ -63,7 +63,11 @@ from kvmetrics.metrics.labels import check_label_value
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from kvmetrics.metrics.sink import MetricSink
 
-log = logging.getLogger("kvmetrics.vllm")
+#: Under vLLM's own logger: in ``vllm serve`` that one has the handler (vLLM configures
+#: it with ``propagate=False`` and leaves the root logger bare), so kvmetrics' lines reach
+#: the server's log in vLLM's format, with the EngineCore process prefix.
+LOGGER = "vllm.kvmetrics"
+log = logging.getLogger(LOGGER)
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9401"
 _OFF = ("", "off", "none", "0", "false", "no")

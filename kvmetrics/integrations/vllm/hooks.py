@@ -76,7 +76,9 @@ _LOOKUPS = (cat.PREFIX_CACHE_QUERY_TOKENS.name, cat.PREFIX_CACHE_HIT_TOKENS.name
             cat.PROMPT_TOKENS.name)
 _RECOVERY = (cat.ROLLED_BACK_TOKENS.name, cat.KV_LOAD_FAILED_REQUESTS.name,
              cat.RECOMPUTED_TOKENS.name)
-_EVERY = tuple(s.name for s in cat.COUNTERS if s is not cat.INSTRUMENTATION_ERRORS) + (
+#: kvmetrics' own health (errors, CPU time) is never switched off by a broken hook.
+_OWN = (cat.INSTRUMENTATION_ERRORS, cat.INSTRUMENTATION_CPU)
+_EVERY = tuple(s.name for s in cat.COUNTERS if s not in _OWN) + (
     cat.RECOVERY_DURATION.name,)
 
 HOOKS: tuple[Hook, ...] = (

@@ -37,6 +37,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from time import thread_time_ns
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -45,6 +46,7 @@ from vllm.v1.request import RequestStatus
 
 from kvmetrics.integrations.vllm import hooks
 from kvmetrics.integrations.vllm.exporting import (
+    LOGGER,
     Exporter,
     build_exporter,
     check_setting_keys,
@@ -59,12 +61,17 @@ from kvmetrics.metrics.events import GaugeReadings, PoolSnapshot, StepEvents
 from kvmetrics.metrics.guard import CounterViolationError
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
-log = logging.getLogger("kvmetrics.vllm")
+log = logging.getLogger(LOGGER)
 
 #: The pool audit walks every block (O(blocks)), so it runs every POOL_AUDIT_EVERY
 #: steps and on every step that ran the recovery path, keeping the decode-step cost
 #: of instrumentation negligible (see benchmarks/bench_vllm.py).
 POOL_AUDIT_EVERY = 100
+
+#: kvmetrics' own CPU time is measured around every step's work and added to
+#: ``kvmetrics_instrumentation_cpu_seconds_total`` every CPU_REPORT_EVERY steps (none
+#: of it is lost; one increment per step would itself cost a noticeable share).
+CPU_REPORT_EVERY = 50
 
 
 def _guarded(hook: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -73,12 +80,15 @@ def _guarded(hook: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
     def wrap(fn: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(fn)
         def run(self: Any, *args: Any, **kwargs: Any) -> None:
+            start = thread_time_ns()
             try:
                 fn(self, *args, **kwargs)
             except CounterViolationError:
                 raise
             except Exception:
                 self._kv_hook_failed(hook)
+            finally:
+                self._kv_cpu_ns += thread_time_ns() - start
 
         return run
 
@@ -95,6 +105,10 @@ class InstrumentedMixin:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         me: Any = self
         check_setting_keys(me.vllm_config)  # a misspelt setting stops startup, on purpose
+        #: Thread CPU time of kvmetrics' own work not yet counted, and since start
+        #: (``kvmetrics_instrumentation_cpu_seconds_total``; benchmarks read the total).
+        self._kv_cpu_ns = 0
+        self.kvmetrics_cpu_ns = 0
         self._kv_ready: list[StepEvents] = []
         self._kv_step = 0
         self.kvmetrics_exporter = None
@@ -162,12 +176,15 @@ class InstrumentedMixin:
 
     def _kv_call_guarded(self, hook: str, method: str, *args: Any) -> None:
         """Call a recorder method by name for ``hook``; same fault policy as :func:`_guarded`."""
+        start = thread_time_ns()
         try:
             getattr(self._kv, method)(*args)
         except CounterViolationError:
             raise
         except Exception:
             self._kv_hook_failed(hook)
+        finally:
+            self._kv_cpu_ns += thread_time_ns() - start
 
     # -- scheduling --------------------------------------------------------------------
 
@@ -317,6 +334,13 @@ class InstrumentedMixin:
                             set(getattr(kv_out, "failed_recving", None) or ()))
 
     def _kv_end_step(self) -> None:
+        start = thread_time_ns()
+        try:
+            self._kv_end_step_timed()
+        finally:
+            self._kv_cpu_ns += thread_time_ns() - start
+
+    def _kv_end_step_timed(self) -> None:
         hook = "scheduler.update_from_output"
         self._kv_step += 1
         try:
@@ -328,6 +352,12 @@ class InstrumentedMixin:
             self._kv_gauges(events)
         except Exception:
             self._kv_hook_failed(hook)
+        if self._kv_step % CPU_REPORT_EVERY == 0:
+            # CPU time of the steps before this one (this step's part is counted with
+            # the next report: no extra clock read, each costs about a microsecond).
+            spent, self._kv_cpu_ns = self._kv_cpu_ns, 0
+            self.kvmetrics_cpu_ns += spent
+            events.count(cat.INSTRUMENTATION_CPU, spent / 1e9)
         self._kv_record(events)
 
     def _kv_record(self, events: StepEvents) -> None:
@@ -381,6 +411,11 @@ class InstrumentedMixin:
         events.pool = PoolSnapshot(free_blocks=pool.get_num_free_blocks(), used_blocks=used,
                                    total_blocks=pool.num_gpu_blocks - 1,
                                    negative_ref_counts=negative)
+
+    @property
+    def kvmetrics_cpu_seconds(self) -> float:
+        """kvmetrics' own thread CPU time in this scheduler since it was built."""
+        return (self.kvmetrics_cpu_ns + self._kv_cpu_ns) / 1e9
 
     def drain_events(self) -> list[StepEvents]:
         """Steps completed since the last call, when no pipeline records them here."""
