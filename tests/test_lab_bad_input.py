@@ -204,7 +204,7 @@ BAD_INPUTS = {
                                    "--kv-dim", "4096"], "the data plane's KV would take"),
     "fault plan rate 10^400": ({"p.json": '{"rate": 1' + "0" * 400 + "}"},
                                ["run", "--fault-plan", "{dir}/p.json"],
-                               "'rate' must be a number within 0..1"),
+                               "fault rate must be within 0..1, got 1000"),
     "report wrong-typed field": ({"r.json": json.dumps({
         "engine": "reference", "requests": "many", "steps": 3, "verification": {},
         "timeline": {}})}, ["report", "{dir}/r.json"], "field 'requests' must be an object"),

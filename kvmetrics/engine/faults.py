@@ -73,10 +73,10 @@ class FaultPlan:
                 f"fault plan has unknown field(s): {', '.join(map(repr, sorted(unknown)))}")
         rate = data.get("rate", 0.0)
         seed = data.get("seed", 0)
-        if isinstance(rate, bool) or not isinstance(rate, int | float) \
-                or not 0 <= rate <= 1:  # compared before float(): 10**400 has no float
-            raise FaultPlanError(f"fault plan 'rate' must be a number within 0..1, got "
-                                 f"{_short(rate)}")
+        if isinstance(rate, bool) or not isinstance(rate, int | float):
+            raise FaultPlanError(f"fault plan 'rate' must be a number, got {_short(rate)}")
+        if not 0 <= rate <= 1:  # compared before float(): 10**400 has no float
+            raise FaultPlanError(f"fault rate must be within 0..1, got {_short(rate)}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise FaultPlanError(f"fault plan 'seed' must be an integer, got {_short(seed)}")
         failures = data.get("failures", [])
