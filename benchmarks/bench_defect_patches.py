@@ -33,7 +33,7 @@ PREFIX, OWN, FAILED_BLOCK = 512, 64, 4
 
 def _workload(target: Any, sharers: int, later: int) -> tuple[int, int]:
     """(tokens scheduled in all, local-hit tokens of wave 2) on ``target``."""
-    from kvmetrics.integrations.vllm import canaries
+    from kvmetrics.integrations.vllm_lab import canaries
 
     canaries._target = target
     try:
@@ -65,7 +65,7 @@ def _workload(target: Any, sharers: int, later: int) -> tuple[int, int]:
 
 
 def _variants(scratch: Path) -> list[tuple[str, Any]]:
-    from kvmetrics.integrations.vllm.canaries import VLLM
+    from kvmetrics.integrations.vllm_lab.canaries import VLLM
     from tests.helpers.vllm_patch import PATCHES, patched_target
     from tests.test_vllm_check import PROTECTED
 

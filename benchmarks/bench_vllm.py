@@ -64,8 +64,8 @@ def _requests(n: int, seed: int = 0) -> list[Request]:
 
 
 def _vllm_engine(n: int, instrumented: bool, blocks: int | None = None) -> Any:
-    from kvmetrics.integrations.vllm import builder
-    from kvmetrics.integrations.vllm.engine import VllmEngine
+    from kvmetrics.integrations.vllm_lab import builder
+    from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 
     store = ExternalStoreIndex(4096)
     cls = builder.INSTRUMENTED if instrumented else "vllm.v1.core.sched.scheduler.Scheduler"

@@ -79,7 +79,7 @@ def test_lab_engines_come_from_the_entry_point_group() -> None:
 
     declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"][
         "entry-points"]["kvmetrics.lab_engines"]
-    assert declared == {"vllm": "kvmetrics.integrations.vllm.lab:VllmLabEngine"}
+    assert declared == {"vllm": "kvmetrics.integrations.vllm_lab.lab:VllmLabEngine"}
     code = ("import sys; from kvmetrics.lab.engines import engine_names, load_engine; "
             "from kvmetrics.lab.config import LabConfig; from kvmetrics.lab.runner import "
             "run_lab; run_lab(LabConfig(verify='off', max_requests=3, progress=False)); "
@@ -88,4 +88,23 @@ def test_lab_engines_come_from_the_entry_point_group() -> None:
             "print(load_engine('vllm').__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out == ["('reference', 'vllm') False", "kvmetrics.integrations.vllm.lab"]
+    assert out == ["('reference', 'vllm') False", "kvmetrics.integrations.vllm_lab.lab"]
+
+
+def test_what_ships_into_vllm_serve_imports_only_the_core() -> None:
+    """``kvmetrics/integrations/vllm/`` is loaded by production ``vllm serve`` processes:
+    it may import the engine-agnostic core, the exporters and vLLM, never the lab, the
+    data plane, the reference engine or the lab's harness around vLLM."""
+    allowed = {("kvmetrics", "metrics"), ("kvmetrics", "exporters"),
+               ("kvmetrics", "integrations")}
+    problems = []
+    for path in (PACKAGE / "integrations" / "vllm").rglob("*.py"):
+        for name in _imports(path):
+            parts = tuple(name.split("."))
+            if parts[0] != "kvmetrics" or len(parts) < 2:
+                continue
+            if parts[:2] not in allowed or parts[:3] == ("kvmetrics", "integrations",
+                                                         "vllm_lab"):
+                problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
+            # Lazy imports inside functions count too: _imports walks the whole tree.
+    assert problems == []

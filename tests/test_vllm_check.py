@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from kvmetrics.cli.main import main
-from kvmetrics.integrations.vllm import canaries
-from kvmetrics.integrations.vllm.canaries import DEFECTS, Target, run_all, vllm_version
+from kvmetrics.integrations.vllm_lab import canaries
+from kvmetrics.integrations.vllm_lab.canaries import DEFECTS, Target, run_all, vllm_version
 from tests.helpers.vllm_patch import PATCHES, patched_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,7 +134,7 @@ def test_a_canary_that_cannot_run_on_this_vllm_says_why(monkeypatch: pytest.Monk
 
 
 def test_the_docs_carry_each_patch_and_a_section_per_defect() -> None:
-    from kvmetrics.integrations.vllm.defect_regimes import SEVERITY
+    from kvmetrics.integrations.vllm_lab.defect_regimes import SEVERITY
 
     assert sorted(SEVERITY) == sorted(IDS)
     doc = (REPO / "docs" / "vllm-defects.md").read_text()

@@ -23,7 +23,7 @@ import pytest
 
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.integrations.vllm.differential import (
+from kvmetrics.integrations.vllm_lab.differential import (
     RunResult,
     Workload,
     kvmetrics_fix,

@@ -21,13 +21,13 @@ from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
 from kvmetrics.engine.request import Request
 from kvmetrics.engine.scheduler import SchedulerConfig
 from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm import builder
-from kvmetrics.integrations.vllm.engine import VllmEngine
 from kvmetrics.integrations.vllm.exporting import (
     DEFAULT_METRICS_ADDR,
     endpoint_for,
     settings_for,
 )
+from kvmetrics.integrations.vllm_lab import builder
+from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.guard import CounterViolationError

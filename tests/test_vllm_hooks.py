@@ -20,8 +20,8 @@ from kvmetrics.engine.request import Request
 from kvmetrics.engine.scheduler import SchedulerConfig
 from kvmetrics.engine.tokens import ExplicitTokens
 from kvmetrics.integrations.vllm import hooks
-from kvmetrics.integrations.vllm.engine import VllmEngine
 from kvmetrics.integrations.vllm.exporting import LOGGER
+from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
 
 PROMPT = list(range(1000, 1064))

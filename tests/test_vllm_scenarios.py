@@ -20,7 +20,7 @@ from kvmetrics.engine.loop import EngineLoop
 from kvmetrics.engine.request import Request
 from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
 from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm.engine import VllmEngine
+from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
@@ -275,7 +275,7 @@ def test_async_scheduler_keeps_the_discarded_steps_placeholder() -> None:
     before ``_update_request_with_output`` would resolve it, and nothing resets it.
     The request is then scheduled one token past what it knows, for good.
     """
-    from kvmetrics.integrations.vllm import builder
+    from kvmetrics.integrations.vllm_lab import builder
 
     store = ExternalStoreIndex(64)
     engine = VllmEngine(config(), SimulatedExecutor(FaultPlan(scripted=(ScriptedFailure(1),)),

@@ -24,13 +24,13 @@ from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.request import Request
 from kvmetrics.engine.scheduler import SchedulerConfig
 from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm import builder
-from kvmetrics.integrations.vllm.engine import VllmEngine
 from kvmetrics.integrations.vllm.hooks import vllm_base
 from kvmetrics.integrations.vllm.scheduler import (
     InstrumentedAsyncScheduler,
     InstrumentedScheduler,
 )
+from kvmetrics.integrations.vllm_lab import builder
+from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTED = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"

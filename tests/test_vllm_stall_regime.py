@@ -17,8 +17,8 @@ import logging
 
 import pytest
 
-from kvmetrics.integrations.vllm import canaries
-from kvmetrics.integrations.vllm.stall_regime import retry
+from kvmetrics.integrations.vllm_lab import canaries
+from kvmetrics.integrations.vllm_lab.stall_regime import retry
 from tests.test_vllm_check import PROTECTED
 
 

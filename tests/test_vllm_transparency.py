@@ -16,7 +16,7 @@ import pytest
 
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.integrations.vllm.differential import random_workload, run_vllm, vllm_faithful
+from kvmetrics.integrations.vllm_lab.differential import random_workload, run_vllm, vllm_faithful
 from kvmetrics.metrics import catalogue as cat
 
 

@@ -67,7 +67,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _print_reproduction(defect_id: str) -> int:
-    from kvmetrics.integrations.vllm.defect_regimes import SEVERITY
+    from kvmetrics.integrations.vllm_lab.defect_regimes import SEVERITY
 
     if defect_id not in SEVERITY:
         return fail(f"unknown defect {defect_id!r} (choose from {', '.join(SEVERITY)})")
@@ -83,7 +83,7 @@ def _print_reproduction(defect_id: str) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        from kvmetrics.integrations.vllm import canaries
+        from kvmetrics.integrations.vllm_lab import canaries
     except ImportError as e:
         return fail(f"vllm-check needs vLLM installed ({e}); see README 'vLLM integration'")
     known = [d.id for d in canaries.DEFECTS]

@@ -6,7 +6,7 @@ off) plays the model.
 
 The reference engine is built in. Other engines register under the entry point
 group :data:`ENTRY_POINT_GROUP` (kvmetrics' own ``pyproject.toml`` declares
-``vllm = "kvmetrics.integrations.vllm.lab:VllmLabEngine"``), so the lab never
+``vllm = "kvmetrics.integrations.vllm_lab.lab:VllmLabEngine"``), so the lab never
 imports an integration: it loads one only when a run asks for it by name. An
 entry point names a class (or factory) taking ``(LabConfig, SchedulerConfig,
 FaultPlan)`` and returning a :class:`LabEngine`.

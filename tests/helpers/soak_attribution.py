@@ -23,9 +23,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvmetrics.integrations.vllm import builder
 from kvmetrics.integrations.vllm.protect import ProtectMixin
 from kvmetrics.integrations.vllm.scheduler import InstrumentedMixin
+from kvmetrics.integrations.vllm_lab import builder
 from kvmetrics.lab.soak import run_scenario
 from tests.helpers.vllm_patch import PATCHES, patched_target
 

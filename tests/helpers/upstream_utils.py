@@ -33,7 +33,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from kvmetrics.integrations.vllm import builder, canaries
+from kvmetrics.integrations.vllm_lab import builder, canaries
 
 #: (synchronous, async) scheduler classes that create_scheduler builds.
 SCHEDULERS: tuple[type, type] = (Scheduler, AsyncScheduler)

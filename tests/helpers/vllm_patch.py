@@ -19,7 +19,7 @@ from types import ModuleType
 
 import vllm
 
-from kvmetrics.integrations.vllm.canaries import Target
+from kvmetrics.integrations.vllm_lab.canaries import Target
 
 REPO = Path(__file__).resolve().parents[2]
 PATCHES = REPO / "docs" / "vllm-patches"

@@ -166,7 +166,7 @@ def run_reference(config: SchedulerConfig, workload: Workload, faults: FaultPlan
 
 def run_vllm(config: SchedulerConfig, workload: Workload, faults: FaultPlan,
              max_steps: int = 100_000, **engine_kwargs: object) -> RunResult:
-    from kvmetrics.integrations.vllm.engine import VllmEngine
+    from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 
     store = ExternalStoreIndex(workload.store_blocks)
     pipeline = MetricsPipeline(strict=True, engine_kind="vllm")

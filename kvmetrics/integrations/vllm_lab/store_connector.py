@@ -11,7 +11,7 @@ Only the scheduler side is real. It mirrors
 the request's next full blocks present in the store, never the last token, load
 mode from :func:`choose_load_mode`) and hands the loads to do to the model
 runner in its metadata. The worker side is played by kvmetrics' model runners
-(:mod:`kvmetrics.integrations.vllm.runner`), so the worker hooks do nothing.
+(:mod:`kvmetrics.integrations.vllm_lab.runner`), so the worker hooks do nothing.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class CanaryResult:
     detail: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        from kvmetrics.integrations.vllm.defect_regimes import SEVERITY
+        from kvmetrics.integrations.vllm_lab.defect_regimes import SEVERITY
 
         severity = SEVERITY.get(self.id)
         return {"id": self.id, "present": self.present, "summary": self.summary,
@@ -201,7 +201,7 @@ def bench(policy: str = "recompute", num_gpu_blocks: int = 64, *, async_scheduli
           max_num_batched_tokens: int = 256) -> Bench:
     """vLLM's own scheduler with the scripted connector (``kv_both``) and vLLM's defaults."""
     from kvmetrics.engine.config import SchedulerConfig
-    from kvmetrics.integrations.vllm import builder
+    from kvmetrics.integrations.vllm_lab import builder
 
     config = SchedulerConfig(block_size=BLOCK, num_gpu_blocks=num_gpu_blocks, max_num_seqs=8,
                              max_num_batched_tokens=max_num_batched_tokens,

@@ -14,7 +14,7 @@ from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.scheduler import SchedulerConfig
 
 try:
-    from kvmetrics.integrations.vllm.engine import VllmEngine
+    from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 except ImportError as e:  # the lab shows this message as its one-line error
     raise ImportError(f"vLLM is not installed ({e}); see README 'vLLM integration' for the "
                       "light CPU-only install") from e

@@ -27,10 +27,10 @@ from kvmetrics.engine.config import SchedulerConfig, check_fits
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.loop import BatchQueue, run_until_idle
 from kvmetrics.engine.request import Request
-from kvmetrics.integrations.vllm import builder
-from kvmetrics.integrations.vllm.connector import register_store, unregister_store
 from kvmetrics.integrations.vllm.recorder import FINISH_REASONS
-from kvmetrics.integrations.vllm.runner import ModelRunner, StepRecord, VllmRunnerAdapter
+from kvmetrics.integrations.vllm_lab import builder
+from kvmetrics.integrations.vllm_lab.runner import ModelRunner, StepRecord, VllmRunnerAdapter
+from kvmetrics.integrations.vllm_lab.store_connector import register_store, unregister_store
 from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
 

@@ -18,7 +18,7 @@ from typing import Any
 from kvmetrics.engine.scheduler import SchedulerConfig
 
 #: Import path of the built-in connector (vLLM imports it again by this name).
-CONNECTOR_MODULE = "kvmetrics.integrations.vllm.connector"
+CONNECTOR_MODULE = "kvmetrics.integrations.vllm_lab.store_connector"
 CONNECTOR_NAME = "KvmetricsStoreConnector"
 INSTRUMENTED = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"
 INSTRUMENTED_ASYNC = "kvmetrics.integrations.vllm.scheduler.InstrumentedAsyncScheduler"

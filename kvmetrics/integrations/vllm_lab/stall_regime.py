@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmetrics.integrations.vllm import canaries
+from kvmetrics.integrations.vllm_lab import canaries
 
 
 @dataclass(frozen=True)
