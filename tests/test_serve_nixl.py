@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from kvmetrics.integrations.vllm.fault_plan import FaultPlan, parse_settings
+from kvmetrics.metrics import catalogue
 from tests.helpers.nixl_pd import HASH_MISMATCH, nixl_transfer, pd_complete, pd_specs, started
 from tests.helpers.vllm_server import (
     VllmServer,
@@ -82,9 +83,26 @@ def test_the_planned_share_of_loads_fails(rounds: dict) -> None:
     assert {mode for _, _, mode in injected} == {"async"}  # NIXL loads asynchronously
     # Every load was transferred by NIXL; the failures are the wrapper's only.
     for page in (rounds["vllm"], rounds["prefill_vllm"]):
+        assert served(page, "vllm:nixl_num_failed_transfers_total")
         assert total(page, "vllm:nixl_num_failed_transfers_total") == 0
     hits = total(rounds["vllm"], "vllm:external_prefix_cache_hits_total")
     assert hits > 0
+
+
+def served(page: str, name: str) -> bool:
+    """Whether ``page`` has a sample of ``name`` (a 0 from an absent series proves nothing)."""
+    return re.search(rf"^{re.escape(name)}[{{ ]", page, re.MULTILINE) is not None
+
+
+def test_the_dashboards_vllm_series_exist_under_these_names(rounds: dict) -> None:
+    """catalogue.VLLM_SERIES, the dashboard's allow-list, spells vLLM 0.32's names."""
+    for spec in catalogue.VLLM_SERIES:
+        assert served(rounds["vllm"], spec.name) or served(rounds["prefill_vllm"], spec.name), \
+            spec.name
+        for page in (rounds["vllm"], rounds["prefill_vllm"]):
+            for line in re.findall(rf"^{re.escape(spec.name)}\{{([^}}]*)\}}", page, re.M):
+                labels = {kv.split("=")[0] for kv in line.split(",") if kv}
+                assert labels == set(spec.label_names), (spec.name, labels)
 
 
 def test_failed_requests_and_rolled_back_tokens_equal_vllms_log(rounds: dict) -> None:
