@@ -166,8 +166,12 @@ def _oracles(s: dict[str, Any]) -> dict[tuple[str, str], Oracle]:
                 "version": __version__, "engine_kind": s["engine"],
                 "recovery": s["config"]["recovery"]} else None,
         ("Dropped series updates", "{{metric}}"): lambda *_: 0.0,
+        # A single-process lab run has no multiprocess files to leave out.
+        ("Dropped series updates", "scrape: {{reason}}"): lambda *_: 0.0,
         # The lab's engine hooks no vLLM method; the series exist at zero.
         ("vLLM hooks out of action", "{{hook}}"): lambda *_: 0.0,
+        # Nor does it time hooks: only vLLM's instrumented scheduler adds CPU seconds.
+        ("kvmetrics overhead", "{{instance}} engine {{engine}}"): lambda *_: 0.0,
     }
 
 

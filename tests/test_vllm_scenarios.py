@@ -23,6 +23,7 @@ from kvmetrics.engine.tokens import ExplicitTokens
 from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
+from tests.helpers.metrics import event_totals
 
 BS = 16
 PROMPT = list(range(1000, 1064))  # 64 tokens, 4 blocks
@@ -94,7 +95,7 @@ def reference_totals(cfg: SchedulerConfig, faults: FaultPlan, warm: list[list[in
         loop.step()
         for ev in sched.drain_events():
             pipeline.record(ev)
-    return pipeline.totals.series()
+    return event_totals(pipeline)
 
 
 def test_sync_load_block_1_fails_recompute(caplog: pytest.LogCaptureFixture) -> None:
@@ -125,7 +126,7 @@ def test_sync_load_block_1_fails_recompute(caplog: pytest.LogCaptureFixture) -> 
     assert run.engine.outcome("r")[0] == "length"
     assert run.pipeline.violations == []
     assert reference_totals(config(), faults, [PROMPT], [[("r", PROMPT, 4)]], 3) \
-        == run.pipeline.totals.series()
+        == event_totals(run.pipeline)
 
 
 def test_sync_load_block_1_fails_fail_policy() -> None:
@@ -142,7 +143,7 @@ def test_sync_load_block_1_fails_fail_policy() -> None:
     # Blocks #1..#3 were hashed at allocation; `fail` evicts them.
     assert run.total(cat.EVICTED_BLOCKS, cause="kv_load_failure") == 3
     assert reference_totals(config("fail"), faults, [PROMPT], [[("r", PROMPT, 4)]], 3) \
-        == run.pipeline.totals.series()
+        == event_totals(run.pipeline)
 
 
 def test_async_load_block_2_fails() -> None:
@@ -167,7 +168,7 @@ def test_async_load_block_2_fails() -> None:
                      action="rescheduled") == 1
     assert run.engine.outcome("a")[0] == "length"
     assert reference_totals(config(), faults, [prompt], [[("a", prompt, 4)]], mode="async") \
-        == run.pipeline.totals.series()
+        == event_totals(run.pipeline)
 
 
 def test_request_level_async_failure_counts_every_block_of_its_load_failed() -> None:
@@ -225,7 +226,7 @@ def test_failed_block_shared_by_two_requests_is_recomputed_by_one() -> None:
     assert run.total(cat.PREFIX_CACHE_HIT_TOKENS, source="local") == 48
     assert reference_totals(config(), faults, [PROMPT],
                             [[("a", PROMPT, 4), ("b", other, 4)]], 3) \
-        == run.pipeline.totals.series()
+        == event_totals(run.pipeline)
 
 
 def test_preemption_after_a_partial_hit() -> None:
@@ -264,7 +265,7 @@ def test_preemption_after_a_partial_hit() -> None:
     assert run.pipeline.violations == []
     assert reference_totals(cfg, FaultPlan(), [], [[("w", first, 1)], [("s", short, 20),
                             ("p", partial, 20)]], connector=False) \
-        == run.pipeline.totals.series()
+        == event_totals(run.pipeline)
 
 
 def test_async_scheduler_keeps_the_discarded_steps_placeholder() -> None:

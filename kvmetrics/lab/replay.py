@@ -60,7 +60,8 @@ RUN_OPTIONS: tuple[RunOption, ...] = (
 
 #: Settings about watching a run, not its outcome; never part of a replay line.
 NOT_REPLAYED = frozenset({"serve", "linger", "wait_for_scrape", "otlp_endpoint", "strict",
-                          "model_name", "progress", "realtime"})
+                          "model_name", "progress", "realtime", "serve_tls_cert",
+                          "serve_tls_key", "serve_tls_client_ca"})
 
 
 def run_arguments(cfg: LabConfig) -> list[str]:

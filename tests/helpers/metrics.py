@@ -20,6 +20,14 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
     return registry.get_sample_value(name, {**COMMON, **labels})
 
 
+def event_totals(pipeline: MetricsPipeline) -> Series:
+    """The pipeline's running totals without kvmetrics' own CPU time: that counter
+    measures what observing cost this process, not an event of the engine, so two
+    engines (or two runs) that did the same thing differ in it."""
+    return {key: value for key, value in pipeline.totals.series().items()
+            if key[0] != cat.INSTRUMENTATION_CPU.name}
+
+
 def pipeline_counters(pipeline: MetricsPipeline) -> Series:
     """The pipeline's running totals, keyed like :func:`counters_from_page`."""
     return {key: value for key, value in pipeline.totals.series().items() if value}
