@@ -161,10 +161,13 @@ class VllmServer:
         env["KVMETRICS_METRICS_ADDR"] = ("127.0.0.1:0" if self.spec.kvmetrics_endpoint
                                          else "off")
         env["KVMETRICS_METRICS_PORT_FILE"] = str(self.port_file)
-        if self.spec.vllm_version is not None:
-            overlay = vllm_overlay(self.spec.vllm_version)
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(overlay), str(ROOT), env.get("PYTHONPATH", "")) if p)
+        # The server runs this checkout's kvmetrics (and test helpers named as
+        # --scheduler-cls), whatever the venv's editable install points at; an older
+        # vLLM from scripts/install-vllm-versions.sh goes in front of the venv's own.
+        overlay = (str(vllm_overlay(self.spec.vllm_version))
+                   if self.spec.vllm_version is not None else "")
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (overlay, str(ROOT), env.get("PYTHONPATH", "")) if p)
         env.update(self.spec.env)
         return env
 
