@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvmetrics.metrics.text import short_repr, utf8_encodable
+
 
 class FaultPlanError(ValueError):
     """A fault plan that cannot be used; the message names the problem."""
@@ -74,11 +76,12 @@ class FaultPlan:
         rate = data.get("rate", 0.0)
         seed = data.get("seed", 0)
         if isinstance(rate, bool) or not isinstance(rate, int | float):
-            raise FaultPlanError(f"fault plan 'rate' must be a number, got {_short(rate)}")
+            raise FaultPlanError(f"fault plan 'rate' must be a number, got {short_repr(rate, 60)}")
         if not 0 <= rate <= 1:  # compared before float(): 10**400 has no float
-            raise FaultPlanError(f"fault rate must be within 0..1, got {_short(rate)}")
+            raise FaultPlanError(f"fault rate must be within 0..1, got {short_repr(rate, 60)}")
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise FaultPlanError(f"fault plan 'seed' must be an integer, got {_short(seed)}")
+            raise FaultPlanError(
+                f"fault plan 'seed' must be an integer, got {short_repr(seed, 60)}")
         failures = data.get("failures", [])
         if not isinstance(failures, list):
             raise FaultPlanError("fault plan 'failures' must be a list")
@@ -94,7 +97,7 @@ class FaultPlan:
             if isinstance(block, bool) or not isinstance(block, int) or block < 0:
                 raise FaultPlanError(f"fault plan failure #{i}: 'block' must be an integer >= 0")
             if request is not None and (not isinstance(request, str)
-                                        or not _encodable(request)):
+                                        or not utf8_encodable(request)):
                 raise FaultPlanError(f"fault plan failure #{i}: 'request' must be a string")
             if step is not None and (isinstance(step, bool) or not isinstance(step, int)
                                      or step < 1):
@@ -120,17 +123,3 @@ class FaultPlan:
             raise FaultPlanError(f"fault plan {path}: JSON nested too deeply") from None
         return cls.from_dict(data)
 
-
-def _short(value: Any, limit: int = 60) -> str:
-    """A value for an error line: never a 400-digit number or a megabyte of JSON."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _encodable(text: str) -> bool:
-    """JSON can spell lone surrogates ("\\ud800") that no output (UTF-8) can hold."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvmetrics.engine.tokens import VOCAB_SIZE, BlockSeededTokens, ExplicitTokens, PromptTokens
 from kvmetrics.lab.workload import WorkItem
+from kvmetrics.metrics.text import utf8_encodable
 
 FORMATS = ("kvmetrics", "mooncake")
 MOONCAKE_BLOCK_TOKENS = 512
@@ -130,7 +131,7 @@ def _parse_kvmetrics(record: dict[str, Any], index: int, where: str) -> WorkItem
         raise TraceError(f"{where}: unknown field(s) {names}{hint}")
     rid = record.get("id", f"req-{index:06d}")
     if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_CHARS \
-            or not rid.isprintable() or not _encodable(rid):
+            or not rid.isprintable() or not utf8_encodable(rid):
         raise TraceError(f"{where}: 'id' must be a non-empty string of at most "
                          f"{MAX_ID_CHARS} printable characters (valid Unicode)")
     arrival = _number(record, "arrival_s", where)
@@ -164,11 +165,3 @@ def _parse_mooncake(record: dict[str, Any], index: int, where: str) -> WorkItem:
     prompt = _block_prompt(record["hash_ids"], length, MOONCAKE_BLOCK_TOKENS, where, "hash_ids")
     return WorkItem(f"mc-{index:06d}", timestamp_ms / 1000.0, prompt, output, stop_on_eos=False)
 
-
-def _encodable(text: str) -> bool:
-    """JSON can spell lone surrogates ("\\ud800") that no output (UTF-8) can hold."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement
+from kvmetrics.metrics.text import short_repr
 
 log = logging.getLogger("kvmetrics.guard")
 
@@ -88,10 +89,10 @@ def guard_increment(inc: CounterIncrement, step: int) -> tuple[float, Violation 
             reason = "label values that cannot be compared"
         if reason is not None:
             return math.nan, Violation(inc.spec.name, "bad_labels", step,
-                                       f"labels {_short(inc.label_values)}: {reason}",
+                                       f"labels {short_repr(inc.label_values)}: {reason}",
                                        inc.request_id)
         return amount, None
-    detail = f"amount {_short(inc.amount)}"
+    detail = f"amount {short_repr(inc.amount)}"
     if reason == "negative":
         labels = dict(zip(inc.spec.labels, inc.label_values, strict=False))
         detail += f" labels {labels}"
@@ -153,7 +154,7 @@ def _label_problem(inc: CounterIncrement) -> str | None:
         return f"expected {len(allowed)} values ({', '.join(allowed)})"
     for value, (name, choices) in zip(values, allowed.items(), strict=True):
         if value not in choices:
-            return f"{name}={_short(value)} is not one of the catalogue's values"
+            return f"{name}={short_repr(value)} is not one of the catalogue's values"
     return None
 
 
@@ -161,16 +162,6 @@ def _label_problem(inc: CounterIncrement) -> str | None:
 _VALID_LABEL_SETS: dict[str, frozenset[tuple[str, ...]]] = {
     spec.name: frozenset(cat.bounded_label_sets(spec)) for spec in cat.COUNTERS}
 
-
-def _short(value: object, limit: int = 80) -> str:
-    """A repr fit for a log line, whatever the value (a huge int has no cheap repr)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
-        return f"<int of {value.bit_length()} bits>"
-    try:
-        text = repr(value)
-    except Exception:
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def report(violation: Violation, strict: bool) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import unicodedata
 
+from kvmetrics.metrics.text import utf8_encodable
+
 #: Longest label value accepted (characters); a model name or an engine id is far
 #: shorter, and Prometheus' own limits are configured per scrape job, not here.
 MAX_LABEL_VALUE_LENGTH = 128
@@ -23,9 +25,7 @@ def label_value_problem(value: object) -> str | None:
         return "must not be empty"
     if len(value) > MAX_LABEL_VALUE_LENGTH:
         return f"is {len(value)} characters long (at most {MAX_LABEL_VALUE_LENGTH})"
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
+    if not utf8_encodable(value):
         return "is not valid UTF-8"
     if any(unicodedata.category(c) == "Cc" for c in value):
         return "contains control characters"
