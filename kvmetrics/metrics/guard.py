@@ -117,7 +117,12 @@ def classify_amount(amount: object) -> tuple[float, str | None]:
             not isinstance(amount, numbers.Real):
         return math.nan, "not_a_number"
     else:
-        return _convert(amount)
+        try:
+            value = float(amount)
+        except OverflowError:
+            return math.nan, "overflow"
+        except Exception:  # a Real whose __float__ misbehaves
+            return math.nan, "not_a_number"
     if value != value or value in _INFINITIES:
         return math.nan, "non_finite"
     if value < 0:
@@ -127,20 +132,6 @@ def classify_amount(amount: object) -> tuple[float, str | None]:
 
 _EXACT_INT = 2**53
 _INFINITIES = (math.inf, -math.inf)
-
-
-def _convert(amount: numbers.Real) -> tuple[float, str | None]:
-    try:
-        value = float(amount)
-    except OverflowError:
-        return math.nan, "overflow"
-    except Exception:  # a Real whose __float__ misbehaves
-        return math.nan, "not_a_number"
-    if not math.isfinite(value):
-        return math.nan, "non_finite"
-    if value < 0:
-        return math.nan, "negative"
-    return value + 0.0, None  # -0.0 -> 0.0
 
 
 def _label_problem(inc: CounterIncrement) -> str | None:
