@@ -116,10 +116,9 @@ class InstrumentedMixin:
         #: Hook name -> why it is out (missing, changed signature); set at construction.
         self.kvmetrics_broken_hooks: dict[str, str] = {}
         self._kv_disabled: frozenset[str] = frozenset()
-        #: vLLM's name for the queue of requests held back while their KV arrives
-        #: (None: gauges off), and whether every attribute the gauges read is there.
+        #: vLLM's name for the queue of requests held back while their KV arrives;
+        #: None when an attribute the gauges read is missing (gauges then absent).
         self._kv_holding_attr: str | None = "kv_holding_waiting"
-        self._kv_gauges_on = True
         #: Hook faults since the last recorded step, and the hooks already logged.
         self._kv_errors: dict[str, int] = {}
         self._kv_logged: set[str] = set()
@@ -155,8 +154,9 @@ class InstrumentedMixin:
             return
         self.kvmetrics_broken_hooks = broken
         self._kv_disabled = hooks.disabled_families(broken)
-        self._kv_holding_attr = hooks.resolve_attribute(self, hooks.HOLDING_WAITING)
-        self._kv_gauges_on = not self._kv_disabled & set(hooks.GAUGE_FAMILIES)
+        gauges_on = not self._kv_disabled & set(hooks.GAUGE_FAMILIES)
+        self._kv_holding_attr = (hooks.resolve_attribute(self, hooks.HOLDING_WAITING)
+                                 if gauges_on else None)
         for name, problem in broken.items():
             self._kv_errors[name] = self._kv_errors.get(name, 0) + 1
             self._kv_logged.add(name)
@@ -384,7 +384,7 @@ class InstrumentedMixin:
                           events.step)
 
     def _kv_gauges(self, events: StepEvents) -> None:
-        if not self._kv_gauges_on or self._kv_holding_attr is None:
+        if self._kv_holding_attr is None:
             return  # an attribute is missing: reported once at start, gauges absent
         me: Any = self
         waiting_status = RequestStatus.WAITING_FOR_REMOTE_KVS
