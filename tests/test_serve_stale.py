@@ -32,8 +32,6 @@ takes about 150 s.
 from __future__ import annotations
 
 import re
-import threading
-import time
 
 import pytest
 
@@ -87,22 +85,7 @@ def protected_server(tmp_path_factory: pytest.TempPathFactory):
 
 def queued_together(server: VllmServer, x: list[int]) -> dict[str, list[int]]:
     """X then A queued while the engine is paused, then released in one step."""
-    status, body = server.post("/pause?mode=keep&clear_cache=false")
-    assert status == 200, body
-    answers: dict[str, tuple[int, dict]] = {}
-
-    def send(name: str, prompt: list[int]) -> None:
-        answers[name] = server.complete(prompt, MAX_TOKENS)
-
-    threads = [threading.Thread(target=send, args=("X", x)),
-               threading.Thread(target=send, args=("A", A))]
-    for t in threads:
-        t.start()
-        time.sleep(0.5)  # X reaches the queue first
-    status, body = server.post("/resume")
-    assert status == 200, body
-    for t in threads:
-        t.join()
+    answers = server.complete_queued_together({"X": x, "A": A}, MAX_TOKENS)
     assert {k: v[0] for k, v in answers.items()} == {"X": 200, "A": 200}
     return {k: output_tokens(v[1]) for k, v in answers.items()}
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -28,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.helpers.prometheus import free_port
-from tests.helpers.vllm_server import BLOCK_SIZE, ServerError, vllm_cpu_python
+from tests.helpers.vllm_server import (
+    BLOCK_SIZE,
+    ServerError,
+    stop_process_group,
+    vllm_cpu_python,
+)
 
 LAUNCH = ("import sys; sys.argv = ['lmcache'] + sys.argv[1:]; "
           "from lmcache.cli.main import main; main()")
@@ -91,18 +95,8 @@ class LMCacheServer:
         return False
 
     def stop(self, timeout: float = 20.0) -> None:
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=timeout)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
+        if self.process is not None:
+            stop_process_group(self.process, timeout)
 
     def __enter__(self) -> LMCacheServer:
         return self.start()

@@ -25,6 +25,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -63,6 +64,25 @@ class Scrape:
     url: str
     seconds: float
     outcome: str
+
+
+def stop_process_group(process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM the group a server was started in (``start_new_session``), wait, then
+    SIGKILL whatever is left of it (children such as vLLM's EngineCore and worker)."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=timeout)
+    kill_process_group(process)
+
+
+def kill_process_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL every process left in the group and reap its leader."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
 
 
 class ServerError(RuntimeError):
@@ -231,28 +251,13 @@ class VllmServer:
                 raise ServerError(f"{self.name} still running after {timeout:g} s:\n"
                                   f"{self.log_tail()}")
             time.sleep(0.5)
-        self._reap_group()
+        kill_process_group(self.process)
         return int(self.process.returncode)
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM the whole process group, then SIGKILL what is left."""
-        process = self.process
-        if process is None:
-            return
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=timeout)
-        self._reap_group()
-
-    def _reap_group(self) -> None:
-        """Kill any process left in the server's group (the EngineCore, its worker)."""
-        assert self.process is not None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(timeout=10)
+        if self.process is not None:
+            stop_process_group(self.process, timeout)
 
     def __enter__(self) -> VllmServer:
         return self.start()
@@ -297,6 +302,29 @@ class VllmServer:
         return self.post("/v1/completions", {
             "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}, timeout=timeout)
+
+    def complete_queued_together(self, prompts: dict[str, list[int]],
+                                 max_tokens: int) -> dict[str, tuple[int, dict[str, Any]]]:
+        """Queue the prompts, in order, while the engine is paused, then release them so
+        that one scheduler step admits them all; {name: (HTTP status, body)}."""
+        status, body = self.post("/pause?mode=keep&clear_cache=false")
+        if status != 200:
+            raise ServerError(f"/pause answered {status}: {body}")
+        answers: dict[str, tuple[int, dict[str, Any]]] = {}
+
+        def send(name: str, prompt: list[int]) -> None:
+            answers[name] = self.complete(prompt, max_tokens)
+
+        threads = [threading.Thread(target=send, args=item) for item in prompts.items()]
+        for t in threads:
+            t.start()
+            time.sleep(0.5)  # each reaches the queue before the next
+        status, body = self.post("/resume")
+        if status != 200:
+            raise ServerError(f"/resume answered {status}: {body}")
+        for t in threads:
+            t.join()
+        return answers
 
     def reset_prefix_cache(self) -> None:
         status, body = self.post("/reset_prefix_cache")
