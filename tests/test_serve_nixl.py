@@ -17,9 +17,16 @@ recomputed). Oracles kvmetrics did not compute:
   without any transfer, is the fault-free output;
 - the decode server's ``/metrics`` gives the external hits.
 
-NIXL keeps about one core busy per worker (UCX progress thread): six prompts, one
-pair of servers for the module. Measured on the 2-core CI kind of machine: about
-3 minutes.
+The six prompts are measured in a window that opens after ``shake_hands``: on a
+loaded machine NIXL's first handshake can miss vLLM's fixed 5 s timeout, and that
+request's load then fails for NIXL's own reason (vLLM and kvmetrics both count it).
+Every count below is the window's: the page at its end minus the page at its start,
+the log from its start.
+
+NIXL keeps one or two threads busy per worker: six prompts, one pair of servers for
+the module. Not part of ``scripts/test.sh``: on the 2-core CI kind of machine NIXL's
+handshakes and transfers stall for minutes (docs/connectors.md, "NIXL on two CPU
+cores"); ``bash scripts/test-nixl.sh`` runs it.
 """
 
 from __future__ import annotations
@@ -31,7 +38,14 @@ import pytest
 
 from kvmetrics.integrations.vllm.fault_plan import FaultPlan, parse_settings
 from kvmetrics.metrics import catalogue
-from tests.helpers.nixl_pd import HASH_MISMATCH, nixl_transfer, pd_complete, pd_specs, started
+from tests.helpers.nixl_pd import (
+    HASH_MISMATCH,
+    nixl_transfer,
+    pd_complete,
+    pd_specs,
+    shake_hands,
+    started,
+)
 from tests.helpers.vllm_server import (
     VllmServer,
     greedy_prompts,
@@ -40,6 +54,7 @@ from tests.helpers.vllm_server import (
 )
 
 PROMPTS = greedy_prompts(6, seed=8, lengths=(100, 70, 130))
+WARM_UP = greedy_prompts(1, seed=9, lengths=(90,))[0]
 MAX_TOKENS = 6
 FAULTS = {"fault_rate": 0.3, "fault_seed": 10}
 RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
@@ -55,20 +70,32 @@ def rounds(tmp_path_factory: pytest.TempPathFactory) -> dict:
     prefill = VllmServer(prefill_spec, work, "prefill")
     decode = VllmServer(decode_spec, work, "decode")
     with started(prefill, decode):
+        warm_ups = shake_hands(prefill, decode, WARM_UP)
         local = []
         for prompt in PROMPTS:  # the fault-free outputs, computed on prefill alone
             status, body = prefill.complete(prompt, MAX_TOKENS)
             assert status == 200, body
             local.append(output_tokens(body))
+        before = decode.pages_when_finished(warm_ups)
+        prefill_before = prefill.vllm_metrics()
+        log_start = len(decode.log())
         answers = [pd_complete(prefill, decode, p, MAX_TOKENS) for p in PROMPTS]
-        theirs, ours = decode.pages_when_finished(len(PROMPTS))
-        return {"local": local, "answers": answers, "vllm": theirs, "ours": ours,
-                "prefill_vllm": prefill.vllm_metrics(), "log": decode.log(),
-                "prefill_log": prefill.log()}
+        theirs, ours = decode.pages_when_finished(warm_ups + len(PROMPTS))
+        return {"local": local, "answers": answers, "warm_ups": warm_ups,
+                "vllm": theirs, "ours": ours, "vllm_before": before[0],
+                "ours_before": before[1], "prefill_vllm": prefill.vllm_metrics(),
+                "prefill_vllm_before": prefill_before, "log": decode.log()[log_start:],
+                "whole_log": decode.log(), "prefill_log": prefill.log()}
+
+
+def window(rounds: dict, page: str, name: str, **labels: str) -> float:
+    """How much ``name`` grew on ``page`` ("vllm", "ours", "prefill_vllm") in the window."""
+    return total(rounds[page], name, **labels) - total(rounds[page + "_before"], name, **labels)
 
 
 def test_no_hash_mismatch_and_every_output_equals_the_fault_free_one(rounds: dict) -> None:
-    assert HASH_MISMATCH not in rounds["log"] and HASH_MISMATCH not in rounds["prefill_log"]
+    assert HASH_MISMATCH not in rounds["whole_log"]
+    assert HASH_MISMATCH not in rounds["prefill_log"]
     assert all(status == 200 for status, _ in rounds["answers"]), rounds["answers"]
     assert [output_tokens(body) for _, body in rounds["answers"]] == rounds["local"]
     assert len({tuple(o) for o in rounds["local"]}) == len(PROMPTS)
@@ -76,17 +103,18 @@ def test_no_hash_mismatch_and_every_output_equals_the_fault_free_one(rounds: dic
 
 def test_the_planned_share_of_loads_fails(rounds: dict) -> None:
     plan = FaultPlan(parse_settings({"inner_connector": "NixlConnector", **FAULTS}))
-    planned = [n for n in range(1, len(PROMPTS) + 1) if plan.fails(n)]
-    assert 0 < len(planned) < len(PROMPTS)  # about 30%: 2 of 6 with this seed
+    # One load per request: the warm-ups took the first numbers.
+    loads = range(rounds["warm_ups"] + 1, rounds["warm_ups"] + len(PROMPTS) + 1)
+    planned = [n for n in loads if plan.fails(n)]
+    assert 0 < len(planned) < len(PROMPTS)  # about 30%
     injected = INJECTED.findall(rounds["log"])
     assert [int(n) for n, _, _ in injected] == planned
     assert {mode for _, _, mode in injected} == {"async"}  # NIXL loads asynchronously
     # Every load was transferred by NIXL; the failures are the wrapper's only.
-    for page in (rounds["vllm"], rounds["prefill_vllm"]):
-        assert served(page, "vllm:nixl_num_failed_transfers_total")
-        assert total(page, "vllm:nixl_num_failed_transfers_total") == 0
-    hits = total(rounds["vllm"], "vllm:external_prefix_cache_hits_total")
-    assert hits > 0
+    for page in ("vllm", "prefill_vllm"):
+        assert served(rounds[page], "vllm:nixl_num_failed_transfers_total")
+        assert window(rounds, page, "vllm:nixl_num_failed_transfers_total") == 0
+    assert window(rounds, "vllm", "vllm:external_prefix_cache_hits_total") > 0
 
 
 def served(page: str, name: str) -> bool:
@@ -106,13 +134,15 @@ def test_the_dashboards_vllm_series_exist_under_these_names(rounds: dict) -> Non
 
 
 def test_failed_requests_and_rolled_back_tokens_equal_vllms_log(rounds: dict) -> None:
-    ours = rounds["ours"]
     lines = RECOVERED.findall(rounds["log"])
     failed = sum(int(n) for n, _ in lines)
     assert failed == len(INJECTED.findall(rounds["log"]))
-    assert total(ours, "kvmetrics_kv_load_failed_requests_total", action="rescheduled",
-                 policy="recompute", mode="async") == failed
-    assert total(ours, "kvmetrics_kv_load_failed_requests_total", action="failed") == 0
-    assert total(ours, "kvmetrics_rolled_back_tokens_total") == sum(int(m) for _, m in lines)
-    assert total(ours, "kvmetrics_prefix_cache_hit_tokens_total", source="external") == \
-        total(rounds["vllm"], "vllm:external_prefix_cache_hits_total")
+    assert window(rounds, "ours", "kvmetrics_kv_load_failed_requests_total",
+                  action="rescheduled", policy="recompute", mode="async") == failed
+    assert window(rounds, "ours", "kvmetrics_kv_load_failed_requests_total",
+                  action="failed") == 0
+    assert window(rounds, "ours", "kvmetrics_rolled_back_tokens_total") == \
+        sum(int(m) for _, m in lines)
+    assert window(rounds, "ours", "kvmetrics_prefix_cache_hit_tokens_total",
+                  source="external") == \
+        window(rounds, "vllm", "vllm:external_prefix_cache_hits_total")

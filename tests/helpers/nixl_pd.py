@@ -14,6 +14,17 @@ the KV over NIXL (UCX, loopback). Each side gets its own side-channel port on
 127.0.0.1. NIXL needs ``scripts/install-connectors.sh``; a missing install is an error
 naming it. Each NIXL worker keeps about one core busy (UCX progress thread): keep
 runs to a few prompts.
+
+Two NIXL timings bite on a loaded 2-core machine, and the helpers take both out of
+the tests' way (measured in CI: one first handshake timed out, one transfer took 88 s):
+
+- vLLM gives the decode side's handshake a fixed 5 s to get the prefill side's answer;
+  a miss fails that request's load (NIXL's own failure, which vLLM and kvmetrics both
+  count, and which vLLM does not log as a recovery). ``shake_hands`` sends warm-up
+  requests until the handshake has passed, so a test measures after it.
+- the prefill side frees a request's KV after ``kv_lease_duration`` (30 s) unless the
+  decode side has read it, and a later read then gets "potentially invalid" blocks.
+  ``nixl_transfer`` sets the lease to ``LEASE_S`` on both sides.
 """
 
 from __future__ import annotations
@@ -31,6 +42,9 @@ from tests.helpers.vllm_server import ServerError, ServerSpec, VllmServer, vllm_
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 HASH_MISMATCH = "compatibility hash mismatch"
+HANDSHAKE_PASSED = "NIXL compatibility check passed"
+#: NIXL's KV lease in seconds: longer than any transfer a loaded CI machine has taken.
+LEASE_S = 600
 
 
 def require_nixl() -> None:
@@ -44,13 +58,16 @@ def require_nixl() -> None:
 
 def nixl_transfer(policy: str = "recompute", wrapped: dict[str, Any] | None = None) -> dict:
     """``--kv-transfer-config`` of one side; ``wrapped``: the fault settings of a
-    ``FaultInjectingNixlConnector`` around it."""
+    ``FaultInjectingNixlConnector`` around it, which hands NIXL its own settings
+    through ``inner_extra_config``."""
+    nixl_settings = {"kv_lease_duration": LEASE_S}
     config: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                              "kv_buffer_device": "cpu", "kv_load_failure_policy": policy}
+                              "kv_buffer_device": "cpu", "kv_load_failure_policy": policy,
+                              "kv_connector_extra_config": nixl_settings}
     if wrapped is not None:
         config.update(kv_connector="FaultInjectingNixlConnector",
                       kv_connector_module_path="kvmetrics.integrations.vllm.faults",
-                      kv_connector_extra_config=dict(wrapped))
+                      kv_connector_extra_config={**wrapped, "inner_extra_config": nixl_settings})
     return config
 
 
@@ -95,3 +112,17 @@ def pd_complete(prefill: VllmServer, decode: VllmServer, prompt: list[int], max_
         "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": params},
         timeout=timeout)
+
+
+def shake_hands(prefill: VllmServer, decode: VllmServer, prompt: list[int],
+                attempts: int = 3) -> int:
+    """Send ``prompt`` through prefill and decode until the decode side logs that its
+    NIXL handshake with the prefill side passed; how many requests that took. Each
+    is a load on the decode side (the fault plan counts it) and a finished request."""
+    for sent in range(1, attempts + 1):
+        status, body = pd_complete(prefill, decode, prompt, max_tokens=1)
+        if status != 200:
+            raise ServerError(f"decode answered {status} to a warm-up request: {body}")
+        if HANDSHAKE_PASSED in decode.log():
+            return sent
+    raise ServerError(f"no NIXL handshake after {attempts} requests:\n{decode.log_tail()}")
