@@ -133,12 +133,12 @@ def test_a_preempted_owner_reads_its_failed_block_and_its_output_changes(
 def test_the_protective_recovery_keeps_the_failed_block_out_of_every_read(
         protected_server: VllmServer) -> None:
     fault_free_a, faulty, page = faulty_round(protected_server)
+    assert faulty["A"] == fault_free_a, "A read the failed block under the protective mode"
     # A's hashed blocks from the failed one on (its load's #1 and #2; #3 holds 4 tokens
     # and was never hashed) left the prefix cache at the rollback.
     assert total(page, "kvmetrics_evicted_blocks_total", cause="kv_load_failure") == 2
     # A's second admission: only its first block is still a local hit.
     assert total(page, "kvmetrics_prefix_cache_hit_tokens_total", source="local",
                  admission="repeat") == 32
-    assert faulty["A"] == fault_free_a, "A read the failed block under the protective mode"
     assert total(page, "kvmetrics_build_info", recovery="evict") == 1
     x_is_untouched(protected_server, faulty)
