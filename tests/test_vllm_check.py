@@ -189,11 +189,8 @@ def test_the_aborted_owner_patch_records_only_sync_loads_in_flight(tmp_path: Pat
     (a maintainer's review: not every request that ends with tokens in flight), and
     under async scheduling it still evicts what the aborted request computed."""
     target = patched_target([PATCHES / "aborted-owner-keeps-failed-block.diff"], tmp_path)
-    canaries._target = target
-    try:
+    with canaries.on_target(target):
         b = canaries.bench("fail", async_scheduling=True)
-    finally:
-        canaries._target = canaries.VLLM
     b.add("plain", canaries.prompt(9_000, 40), max_tokens=8)  # no external tokens
     b.add("a", canaries.P, offer=48)
     s1 = b.sched.schedule()
@@ -224,3 +221,38 @@ def test_repro_prints_each_reproduction_as_one_file(capsys: pytest.CaptureFixtur
         assert documented[defect_id] in printed
     assert main(["vllm-check", "--repro", "no-such-defect"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def _aborted_sharer_reads(target: Target) -> list[int]:
+    """docs/vllm-defects.md, "Why the protective mode records more": as the
+    ``fail-sharer-blocks-hashed`` canary, but the sharer's client goes away while the
+    failing step runs. The blocks s computed over the failed one that a later request
+    with s's prompt reads (empty: none)."""
+    with canaries.on_target(target):
+        b = canaries.bench("fail")
+    sharer = canaries.P[:32] + canaries.prompt(5_000, 32)
+    b.add("a", canaries.P, offer=48)
+    b.add("s", sharer)
+    out = b.sched.schedule()
+    a_blocks, own = b.blocks("a"), b.blocks("s")[2:4]
+    assert b.blocks("s")[1] == a_blocks[1]  # s hits a's block #1, the one that fails
+    step = b.execute(out)
+    b.sched.finish_requests("s", canaries._status("FINISHED_ABORTED"))
+    b.update(step, invalid={a_blocks[1]})
+    b.add("e", canaries.P[:33], max_tokens=1)  # caches block #1's hash again
+    while not b.requests["e"].is_finished():
+        b.step()
+    b.add("f", sharer)
+    _, blocks = canaries._hit(b, b.sched.schedule(), "f")
+    return sorted(set(blocks) & set(own))
+
+
+def test_an_aborted_sharer_needs_the_protective_modes_wider_record(tmp_path: Path) -> None:
+    """The narrowed aborted-owner patch records requests with a sync load; a sharer
+    aborted in the failing step loaded nothing, so its own blocks computed over the
+    failed one stay hashed even with all seven patches. The protective mode records
+    every request that ends with a step in flight, and evicts them."""
+    assert _aborted_sharer_reads(canaries.VLLM)  # stock vLLM reads them
+    every_patch = patched_target(sorted(PATCHES.glob("*.diff")), tmp_path)
+    assert _aborted_sharer_reads(every_patch)
+    assert _aborted_sharer_reads(PROTECTED) == []

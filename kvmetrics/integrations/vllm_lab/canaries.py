@@ -13,7 +13,8 @@ docs/vllm-defects.md explains each with vLLM's code lines and the patch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -467,14 +468,21 @@ def run_canary(defect: Defect) -> CanaryResult:
     return result
 
 
-def run_all(ids: Iterable[str] | None = None, target: Target = VLLM) -> list[CanaryResult]:
+@contextmanager
+def on_target(target: Target) -> Iterator[None]:
+    """Build every :func:`bench` inside on ``target``'s scheduler classes."""
     global _target
-    wanted = set(ids) if ids is not None else None
     _target = target
     try:
-        return [run_canary(d) for d in DEFECTS if wanted is None or d.id in wanted]
+        yield
     finally:
         _target = VLLM
+
+
+def run_all(ids: Iterable[str] | None = None, target: Target = VLLM) -> list[CanaryResult]:
+    wanted = set(ids) if ids is not None else None
+    with on_target(target):
+        return [run_canary(d) for d in DEFECTS if wanted is None or d.id in wanted]
 
 
 def vllm_version() -> str:
