@@ -74,9 +74,10 @@ SEVERITY: dict[str, Severity] = {
         "a long-context request over half the cache. Needs a connector that offers the "
         "same async load again after a total failure (a store); a P/D connector that "
         "clears do_remote_prefill offers nothing the second time and the request is "
-        "recomputed",
-        ("LMCacheMPConnector (LMCache multi-process mode)",
-         "MooncakeStoreConnector (load_async, the default)")),
+        "recomputed, and so does LMCache 0.5.6 multi-process mode, which bypasses "
+        "itself for a request whose async load failed (seen in a real vllm serve)",
+        ("MooncakeStoreConnector (load_async, the default; from its code, not run)",
+         "any store connector that offers a failed async load again")),
     "aborted-owner-keeps-failed-block": Severity(
         "both", "any", "sync",
         "the client aborts while the step of the request's sync load runs (in lockstep a "
