@@ -184,75 +184,32 @@ def test_each_documented_reproduction_fails_on_vllm_and_passes_with_its_patch(
     _run_reproduction(code, where)
 
 
-def test_the_aborted_owner_patch_records_only_sync_loads_in_flight(tmp_path: Path) -> None:
-    """The patch keeps a record only between a sync load's scheduling and its output
-    (a maintainer's review: not every request that ends with tokens in flight), and
-    under async scheduling it still evicts what the aborted request computed."""
+def test_the_aborted_owner_patch_records_only_requests_aborted_in_flight(
+        tmp_path: Path) -> None:
+    """The patch keeps a record only for a request finished from outside (an abort)
+    while a step of it runs, until that step's output is processed (a maintainer's
+    review: not every request that ends with tokens in flight); under async
+    scheduling it still evicts what the aborted request computed."""
     target = patched_target([PATCHES / "aborted-owner-keeps-failed-block.diff"], tmp_path)
     with canaries.on_target(target):
         b = canaries.bench("fail", async_scheduling=True)
-    b.add("plain", canaries.prompt(9_000, 40), max_tokens=8)  # no external tokens
+    b.add("plain", canaries.prompt(9_000, 40), max_tokens=1)  # ends at its first output
     b.add("a", canaries.P, offer=48)
     s1 = b.sched.schedule()
-    assert set(b.sched.sync_loads_in_flight) == {"a"}
     e1 = b.execute(s1)
-    s2 = b.sched.schedule()  # both decode ahead of step 1's output
+    s2 = b.sched.schedule()  # a decodes ahead of step 1's output
     e2 = b.execute(s2)
-    b.sched.finish_requests(["plain", "a"], canaries._status("FINISHED_ABORTED"))
-    # plain also ended with a step in flight, but loaded nothing: no record.
-    assert set(b.sched.sync_loads_in_flight) == {"a"}
-    assert b.sched.sync_loads_in_flight["a"][1] is not None  # a's table, kept
-    failed = b.sched.sync_loads_in_flight["a"][1][1]
+    assert b.sched.finished_in_flight == {}
+    b.sched.finish_requests(["a"], canaries._status("FINISHED_ABORTED"))
+    assert set(b.sched.finished_in_flight) == {"a"}
+    failed = b.sched.finished_in_flight["a"][1][1]
     b.update(e1, invalid={failed})
-    assert b.sched.sync_loads_in_flight == {}  # gone with its load step's output
+    assert b.requests["plain"].is_finished()
+    # plain ended in the output path, with nothing in flight: never recorded.
+    assert set(b.sched.finished_in_flight) == {"a"}  # until its last step's output
     b.update(e2)
+    assert b.sched.finished_in_flight == {}
     assert not b.hashed(failed)
     b.add("c", canaries.P)
     hit, _ = canaries._hit(b, b.sched.schedule(), "c")
     assert hit == canaries.BLOCK  # stops before the failed block
-
-
-def test_repro_prints_each_reproduction_as_one_file(capsys: pytest.CaptureFixture[str]) -> None:
-    documented = _reproductions()
-    for defect_id in IDS:
-        assert main(["vllm-check", "--repro", defect_id]) == 0
-        printed = capsys.readouterr().out
-        assert printed.startswith(f"# {defect_id}: save as tests/v1/kv_connector/unit/")
-        assert documented[defect_id] in printed
-    assert main(["vllm-check", "--repro", "no-such-defect"]) == 2
-    assert capsys.readouterr().err.count("\n") == 1
-
-
-def _aborted_sharer_reads(target: Target) -> list[int]:
-    """docs/vllm-defects.md, "Why the protective mode records more": as the
-    ``fail-sharer-blocks-hashed`` canary, but the sharer's client goes away while the
-    failing step runs. The blocks s computed over the failed one that a later request
-    with s's prompt reads (empty: none)."""
-    with canaries.on_target(target):
-        b = canaries.bench("fail")
-    sharer = canaries.P[:32] + canaries.prompt(5_000, 32)
-    b.add("a", canaries.P, offer=48)
-    b.add("s", sharer)
-    out = b.sched.schedule()
-    a_blocks, own = b.blocks("a"), b.blocks("s")[2:4]
-    assert b.blocks("s")[1] == a_blocks[1]  # s hits a's block #1, the one that fails
-    step = b.execute(out)
-    b.sched.finish_requests("s", canaries._status("FINISHED_ABORTED"))
-    b.update(step, invalid={a_blocks[1]})
-    b.add("e", canaries.P[:33], max_tokens=1)  # caches block #1's hash again
-    while not b.requests["e"].is_finished():
-        b.step()
-    b.add("f", sharer)
-    _, blocks = canaries._hit(b, b.sched.schedule(), "f")
-    return sorted(set(blocks) & set(own))
-
-
-def test_an_aborted_sharer_needs_the_protective_modes_wider_record(tmp_path: Path) -> None:
-    """The narrowed aborted-owner patch records requests with a sync load; a sharer
-    aborted in the failing step loaded nothing, so its own blocks computed over the
-    failed one stay hashed even with all seven patches. The protective mode records
-    every request that ends with a step in flight, and evicts them."""
-    assert _aborted_sharer_reads(canaries.VLLM)  # stock vLLM reads them
-    every_patch = patched_target(sorted(PATCHES.glob("*.diff")), tmp_path)
-    assert _aborted_sharer_reads(every_patch)
-    assert _aborted_sharer_reads(PROTECTED) == []

@@ -393,6 +393,12 @@ def async_sharer_in_flight() -> tuple[bool, str]:
 
 
 def aborted_owner_keeps_failed_block() -> tuple[bool, str]:
+    owner_reads, owner = _aborted_owner()
+    sharer_reads, sharer = _aborted_sharer()
+    return owner_reads or sharer_reads, f"{owner}; {sharer}"
+
+
+def _aborted_owner() -> tuple[bool, str]:
     b = bench("fail")  # vLLM's default policy
     b.add("a", P, offer=48)
     out = b.sched.schedule()
@@ -412,6 +418,32 @@ def aborted_owner_keeps_failed_block() -> tuple[bool, str]:
               f"gets a {hit}-token local hit that {'includes' if reads else 'stops before'} "
               f"it")
     return still_hashed and reads, detail
+
+
+def _aborted_sharer() -> tuple[bool, str]:
+    """As ``fail_sharer_blocks_hashed``, but the sharer is aborted while the step runs:
+    it loaded nothing, and vLLM's scans no longer see it."""
+    b = bench("fail")
+    sharer = P[:32] + prompt(5_000, 32)
+    b.add("a", P, offer=48)
+    b.add("s", sharer)
+    out = b.sched.schedule()
+    failed, own = b.blocks("a")[1], b.blocks("s")[2:4]
+    expect(b.blocks("s")[1] == failed, "s hits a's blocks in the local cache")
+    step = b.execute(out)
+    b.sched.finish_requests("s", _status("FINISHED_ABORTED"))
+    b.update(step, invalid={failed})
+    b.add("e", P[:33], max_tokens=1)  # computes a's first 33 tokens: re-caches #1's hash
+    while not b.requests["e"].is_finished():
+        b.step()
+    b.add("f", sharer)
+    hit, blocks = _hit(b, b.sched.schedule(), "f")
+    reads = sorted(set(blocks) & set(own))
+    detail = (f"s, sharing a's block #1, is aborted in the same step; of its own blocks "
+              f"{own}, computed over the failed one, f (s's prompt, after e cached #1's "
+              f"hash again) gets a {hit}-token local hit "
+              f"{'that reads ' + str(reads) if reads else 'reading none of them'}")
+    return bool(reads), detail
 
 
 def _status(name: str) -> Any:
@@ -441,9 +473,10 @@ DEFECTS: tuple[Defect, ...] = (
            ("vllm-project/vllm#48433", "vllm-project/vllm#57841"), async_load_stall),
     Defect("aborted-owner-keeps-failed-block",
            "either policy (fail is vLLM's default): a request aborted while the step of "
-           "its sync load runs is no longer scanned when the load is reported failed, "
-           "so nothing evicts the failed block and the next request with that prefix "
-           "reads it",
+           "its sync load runs (or of a sharer of that load's blocks) is no longer "
+           "scanned when the load is reported failed, so nothing evicts the failed block "
+           "(or the blocks the sharer computed over it) and the next request with that "
+           "prefix reads them",
            (), aborted_owner_keeps_failed_block),
     Defect("async-rollback-in-flight",
            "async scheduling: the rollback leaves the request's output placeholders and "

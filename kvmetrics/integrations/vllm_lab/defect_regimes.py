@@ -80,10 +80,10 @@ SEVERITY: dict[str, Severity] = {
          "any store connector that offers a failed async load again")),
     "aborted-owner-keeps-failed-block": Severity(
         "both", "any", "sync",
-        "the client aborts while the step of the request's sync load runs (in lockstep a "
-        "window of one forward pass; under async scheduling until that step's output is "
-        "processed); the next request with the prefix reads the failed block and the "
-        "blocks computed after it",
+        "the client aborts while the step of the request's sync load runs, or of a "
+        "sharer of that load's blocks (in lockstep a window of one forward pass; under "
+        "async scheduling until that step's output is processed); the next request with "
+        "the prefix reads the failed block and the blocks computed after it",
         SYNC_REPORTERS),
     "async-rollback-in-flight": Severity(
         "recompute", "async", "sync",
