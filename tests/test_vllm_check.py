@@ -213,3 +213,26 @@ def test_the_aborted_owner_patch_records_only_requests_aborted_in_flight(
     b.add("c", canaries.P)
     hit, _ = canaries._hit(b, b.sched.schedule(), "c")
     assert hit == canaries.BLOCK  # stops before the failed block
+
+
+def test_an_owner_with_a_step_in_flight_is_not_preempted_before_its_failure_is_known(
+        ) -> None:
+    """A candidate eighth defect that vLLM rules out: under async scheduling, an owner
+    preempted in step n+1, before step n's output reports its load failed, would be in
+    no scan, its failed block hashed. vLLM does not preempt it: with a connector that
+    loads (``kv_both``/consumer) and batches in flight, ``defer_block_free`` holds the
+    blocks of a request whose last step is unprocessed (``_request_blocks_can_be_freed``),
+    and the step schedules around it. If vLLM ever drops that guard, this fails."""
+    b = canaries.bench("recompute", num_gpu_blocks=9, async_scheduling=True)  # 8 usable
+    b.add("x", canaries.prompt(7_000, 63), max_tokens=50)
+    b.update(b.execute(b.sched.schedule()))  # x holds 4 blocks
+    b.add("a", canaries.P, offer=48)  # takes the other 4
+    s1 = b.sched.schedule()
+    failed = b.blocks("a")[1]
+    assert b.sched.kv_cache_manager.block_pool.get_num_free_blocks() == 0
+    e1 = b.execute(s1)
+    s2 = b.sched.schedule()  # both need a block now; none is free
+    status = b.requests["a"].status.name
+    assert status == "RUNNING" and "a" not in s2.num_scheduled_tokens, f"a is {status}"
+    b.update(e1, invalid={failed})
+    assert b.requests["a"].num_computed_tokens == canaries.BLOCK  # rolled back: scanned
