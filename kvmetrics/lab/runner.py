@@ -83,6 +83,8 @@ class _LoopState:
 
     start: float = field(default_factory=time.monotonic)
     executed: int = 0
+    #: Requests handed to the engine: all of them unless the run was interrupted.
+    arrived: int = 0
 
 
 def config_dict(cfg: LabConfig) -> dict[str, Any]:
@@ -225,7 +227,7 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
         interrupt = e
     finally:
         progress.close()
-    summary = build_summary(pipeline.totals, engine=engine.kind, submitted=len(items),
+    summary = build_summary(pipeline.totals, engine=engine.kind, submitted=state.arrived,
                             wall_seconds=time.monotonic() - state.start,
                             steps=state.executed)
     runner = getattr(engine, "runner", None)
@@ -265,6 +267,7 @@ def _loop(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngin
             item = pending.popleft()
             engine.add(item, cfg.max_tokens)
             arrived += 1
+            state.arrived = arrived
             delay = aborts_after.get(item.request_id)
             if delay is not None:
                 abort_at.setdefault(clock + delay, []).append(item.request_id)
