@@ -254,7 +254,7 @@ def _draw(plt: Any, chart: Chart, tl: _Timeline, spans: list[tuple[float, float]
         if bottom < 0 <= top:  # counts and ratios start at zero
             ax.set_ylim(-0.02 * max(top, 1), max(top, 1))
         if ax.get_legend() is None and ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper right")
+            ax.legend(loc="best")  # away from the lines (usage sits near the top)
         _wall_axis(ax, tl)
         fig.tight_layout(pad=0.4)
         buf = io.StringIO()
