@@ -35,12 +35,9 @@ def _workload(target: Any, sharers: int, later: int) -> tuple[int, int]:
     """(tokens scheduled in all, local-hit tokens of wave 2) on ``target``."""
     from kvmetrics.integrations.vllm_lab import canaries
 
-    canaries._target = target
-    try:
+    with canaries.on_target(target):
         b = canaries.bench("recompute", num_gpu_blocks=1024, max_model_len=2048,
                            max_num_batched_tokens=2048)
-    finally:
-        canaries._target = canaries.VLLM
     system = canaries.prompt(1_000, PREFIX)
     b.add("owner", system + canaries.prompt(50_000, OWN), offer=PREFIX)
     for i in range(sharers):
