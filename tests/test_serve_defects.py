@@ -27,13 +27,11 @@ connector's log. Measured: see docs/vllm-defects.md ("End-to-end evidence").
 
 from __future__ import annotations
 
-import http.client
-import json
 import re
-import socket
 
 import pytest
 
+from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
 from tests.helpers.slow_connector import SLOW_MARK
 from tests.helpers.vllm_server import (
     ServerSpec,
@@ -52,16 +50,8 @@ FAILING = re.compile(r"failing load #(\d+) of request (\S+) \(sync\)")
 
 
 def defects_server(work, env: dict[str, str]) -> VllmServer:
-    kv_transfer = {
-        "kv_connector": "FaultInjectingConnector",
-        "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "inner_connector": "SlowExampleConnector",
-            "inner_module_path": "tests.helpers.slow_connector",
-            "inner_extra_config": {"shared_storage_path": str(work / "kv")},
-            "fault_loads": [1, 2], "fault_block": 1},
-    }
+    kv_transfer = scripted_faults_config(work / "kv", "recompute", [1, 2],
+                                         "SlowExampleConnector", "tests.helpers.slow_connector")
     # The server imports the slow inner connector from this repository's tests/ (the
     # harness puts the repository on its PYTHONPATH).
     spec = ServerSpec(kv_transfer=kv_transfer, num_gpu_blocks=64, max_model_len=320,
@@ -102,16 +92,11 @@ def chunked_sharer_round(server: VllmServer) -> tuple[list[int], dict[str, list[
 def aborted_owner_round(server: VllmServer) -> tuple[list[int], dict[str, list[int]]]:
     clean = baseline(server, ABORTED)
     hits = server.log().count(EXTERNAL_HIT)
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({
-        "model": "tiny", "prompt": ABORTED, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "ignore_eos": True}), {"Content-Type": "application/json"})
+    conn = send_unanswered(server, ABORTED, MAX_TOKENS)
     # The step with b's load is scheduled (ExampleConnector logs the hit when vLLM
     # asks it); the worker pauses before loading: the client goes away now.
     wait_until(lambda: server.log().count(EXTERNAL_HIT) > hits, 60, "b's admission")
-    assert conn.sock is not None
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
+    disconnect(conn)
     wait_until(lambda: total(server.kvmetrics_metrics(), "kvmetrics_finished_requests_total",
                              reason="aborted") == 1, 60, "b's abort")
     status, body = server.complete(ABORTED, MAX_TOKENS)  # c: the same prompt

@@ -33,15 +33,13 @@ with the owner) and vLLM's own ``vllm:prefix_cache_hits_total``.
 
 from __future__ import annotations
 
-import http.client
-import json
 import re
-import socket
 import threading
 import time
 
 import pytest
 
+from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
 from tests.helpers.load_only_connector import LOAD_ONLY_MARK
 from tests.helpers.slow_connector import SLOW_MARK
 from tests.helpers.vllm_server import (
@@ -66,16 +64,8 @@ VLLM_FAILED = re.compile(r"Failing (\d+) request\(s\) due to KV load failure")
 
 
 def fail_sharer_server(work, env: dict[str, str]) -> VllmServer:
-    kv_transfer = {
-        "kv_connector": "FaultInjectingConnector",
-        "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
-        "kv_role": "kv_both", "kv_load_failure_policy": "fail",
-        "kv_connector_extra_config": {
-            "inner_connector": "SlowExampleConnector",
-            "inner_module_path": "tests.helpers.slow_connector",
-            "inner_extra_config": {"shared_storage_path": str(work / "kv")},
-            "fault_loads": [1, 3], "fault_block": 1},
-    }
+    kv_transfer = scripted_faults_config(work / "kv", "fail", [1, 3],
+                                         "SlowExampleConnector", "tests.helpers.slow_connector")
     spec = ServerSpec(kv_transfer=kv_transfer, num_gpu_blocks=64, max_model_len=320,
                       extra_args=["--max-num-batched-tokens", "512"], env=env)
     return VllmServer(spec, work)
@@ -135,19 +125,14 @@ def aborted_sharer_round(server: VllmServer) -> dict:
         target=lambda: answers.update(o=server.complete(OWNER_2, MAX_TOKENS)))
     owner.start()
     time.sleep(0.5)  # o reaches the queue first
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({
-        "model": "tiny", "prompt": SHARER_2, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "ignore_eos": True}), {"Content-Type": "application/json"})
+    conn = send_unanswered(server, SHARER_2, MAX_TOKENS)
     time.sleep(0.5)
     status, body = server.post("/resume")
     assert status == 200, body
     # The step with o's load and t's share of it is scheduled (ExampleConnector logs
     # the hit when vLLM asks it); the worker pauses before loading: t's client leaves.
     wait_until(lambda: server.log().count(EXTERNAL_HIT) > hits, 60, "o's admission")
-    assert conn.sock is not None
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
+    disconnect(conn)
     owner.join()
     wait_until(lambda: total(server.kvmetrics_metrics(), "kvmetrics_finished_requests_total",
                              reason="aborted") == 1, 60, "t's abort")

@@ -35,6 +35,7 @@ import re
 
 import pytest
 
+from tests.helpers.defect_server import scripted_faults_config
 from tests.helpers.vllm_server import (
     ServerSpec,
     VllmServer,
@@ -55,15 +56,7 @@ def x_prompt(k: int) -> list[int]:
 
 
 def stale_server(work, env: dict[str, str]) -> VllmServer:
-    kv_transfer = {
-        "kv_connector": "FaultInjectingConnector",
-        "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "inner_connector": "ExampleConnector",
-            "inner_extra_config": {"shared_storage_path": str(work / "kv")},
-            "fault_loads": [1], "fault_block": 1},
-    }
+    kv_transfer = scripted_faults_config(work / "kv", "recompute", [1])
     # 13 blocks = the null block + 12: exactly X's 8 and A's 4.
     spec = ServerSpec(kv_transfer=kv_transfer, num_gpu_blocks=13, max_model_len=320,
                       extra_args=["--max-num-batched-tokens", "512"], env=env)

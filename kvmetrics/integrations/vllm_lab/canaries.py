@@ -258,6 +258,19 @@ def _hit(b: Bench, out: Any, request_id: str) -> tuple[int, list[int]]:
     return new.num_computed_tokens, list(new.block_ids[0][: new.num_computed_tokens // BLOCK])
 
 
+def _sharers_prompt_after_a_retry(b: Bench, sharer: list[int],
+                                  own: list[int]) -> tuple[int, list[int]]:
+    """``e`` computes a's first 33 tokens (caching the failed block #1's hash again, as
+    a client retrying a's prompt would), then ``f`` arrives with the sharer's prompt:
+    its local hit, and which of the sharer's blocks ``own`` it reads."""
+    b.add("e", P[:33], max_tokens=1)
+    while not b.requests["e"].is_finished():
+        b.step()
+    b.add("f", sharer)
+    hit, blocks = _hit(b, b.sched.schedule(), "f")
+    return hit, sorted(set(blocks) & set(own))
+
+
 def recompute_keeps_failed_block() -> tuple[bool, str]:
     b = bench("recompute")
     failed, _ = _failed_sync_load(b)
@@ -301,12 +314,7 @@ def fail_sharer_blocks_hashed() -> tuple[bool, str]:
            "a and s end with an error")
     own = tables["s"][2:4]  # computed over the failed block in step 1
     stale = [bid for bid in own if b.hashed(bid)]
-    b.add("e", P[:33], max_tokens=1)  # computes a's first 33 tokens: re-caches #1's hash
-    while not b.requests["e"].is_finished():
-        b.step()
-    b.add("f", sharer)
-    hit, blocks = _hit(b, b.sched.schedule(), "f")
-    reads = sorted(set(blocks) & set(stale))
+    hit, reads = _sharers_prompt_after_a_retry(b, sharer, stale)
     detail = (f"both end with an error; of s's own blocks {own}, computed over a's failed "
               f"block, {stale or 'none'} stay hashed; once e has cached that block's hash "
               f"again, f (s's prompt) gets a {hit}-token local hit "
@@ -433,12 +441,7 @@ def _aborted_sharer() -> tuple[bool, str]:
     step = b.execute(out)
     b.sched.finish_requests("s", _status("FINISHED_ABORTED"))
     b.update(step, invalid={failed})
-    b.add("e", P[:33], max_tokens=1)  # computes a's first 33 tokens: re-caches #1's hash
-    while not b.requests["e"].is_finished():
-        b.step()
-    b.add("f", sharer)
-    hit, blocks = _hit(b, b.sched.schedule(), "f")
-    reads = sorted(set(blocks) & set(own))
+    hit, reads = _sharers_prompt_after_a_retry(b, sharer, own)
     detail = (f"s, sharing a's block #1, is aborted in the same step; of its own blocks "
               f"{own}, computed over the failed one, f (s's prompt, after e cached #1's "
               f"hash again) gets a {hit}-token local hit "
