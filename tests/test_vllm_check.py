@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvmetrics.cli.main import main
-from kvmetrics.integrations.vllm_lab import canaries
+from kvmetrics.integrations.vllm_lab import canaries, canary_bench
 from kvmetrics.integrations.vllm_lab.canaries import DEFECTS, Target, run_all, vllm_version
 from tests.helpers.vllm_patch import PATCHES, patched_target
 
@@ -130,7 +130,7 @@ def test_a_canary_that_cannot_run_on_this_vllm_says_why(monkeypatch: pytest.Monk
     assert result.present is None
     assert result.detail.startswith("could not run on this vLLM: AttributeError")
     assert "_inflight_prefills" in result.detail
-    assert canaries._target is canaries.VLLM  # the default target is restored
+    assert canary_bench._target is canaries.VLLM  # the default target is restored
 
 
 def test_the_docs_carry_each_patch_and_a_section_per_defect() -> None:
@@ -200,7 +200,7 @@ def test_the_aborted_owner_patch_records_only_requests_aborted_in_flight(
     s2 = b.sched.schedule()  # a decodes ahead of step 1's output
     e2 = b.execute(s2)
     assert b.sched.finished_in_flight == {}
-    b.sched.finish_requests(["a"], canaries._status("FINISHED_ABORTED"))
+    b.sched.finish_requests(["a"], canaries.request_status("FINISHED_ABORTED"))
     assert set(b.sched.finished_in_flight) == {"a"}
     failed = b.sched.finished_in_flight["a"][1][1]
     b.update(e1, invalid={failed})

@@ -64,9 +64,6 @@ def test_a_long_context_request_over_half_the_cache_is_stuck_for_good() -> None:
     stuck = retry(2048, 20_000, steps=8)
     assert stuck.need == 1250 and stuck.admitted_after is None
     assert retry(2048, 12_000).admitted_after == 1
-    canaries._target = PROTECTED
-    try:
+    with canaries.on_target(PROTECTED):
         # One step in the plain waiting queue (it holds no block), then admitted.
         assert retry(2048, 20_000).admitted_after == 2
-    finally:
-        canaries._target = canaries.VLLM

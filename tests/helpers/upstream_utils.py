@@ -37,7 +37,8 @@ from kvmetrics.integrations.vllm_lab import builder, canaries
 
 #: (synchronous, async) scheduler classes that create_scheduler builds.
 SCHEDULERS: tuple[type, type] = (Scheduler, AsyncScheduler)
-_CONNECTORS = {"MockKVConnector": (canaries.ScriptedConnector.__name__, canaries.__name__)}
+_CONNECTORS = {"MockKVConnector": (canaries.ScriptedConnector.__name__,
+                                     canaries.ScriptedConnector.__module__)}
 
 
 def create_vllm_config(max_num_seqs: int = 16, max_num_batched_tokens: int = 64,

@@ -14,7 +14,9 @@ serving side, :mod:`kvmetrics.integrations.vllm`; nothing that ships into
 - :mod:`.lab`: ``--engine vllm``, registered through the ``kvmetrics.lab_engines``
   entry point.
 - :mod:`.differential`: one workload through both engines.
-- :mod:`.canaries`: the recovery-path defects as minimal scenarios (``vllm-check``).
+- :mod:`.canaries`: the recovery-path defects as minimal scenarios (``vllm-check``),
+  on :mod:`.canary_bench` (vLLM's scheduler, a scripted connector, a played worker);
+  :mod:`.defect_regimes` says when each bites, :mod:`.stall_regime` sweeps the stall.
 
 Nothing is imported here, so that ``import kvmetrics`` never imports vLLM.
 """

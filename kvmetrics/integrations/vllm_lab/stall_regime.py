@@ -42,12 +42,12 @@ def retry(usable_blocks: int, prompt_tokens: int, offered_tokens: int | None = N
     offered = (prompt_tokens - 1) // bs * bs if offered_tokens is None else offered_tokens
     r = b.add("r", canaries.prompt(1_000, prompt_tokens), offer=offered, load_async=True)
     out = b.sched.schedule()
-    canaries.expect(r.status == canaries._status("WAITING_FOR_REMOTE_KVS"),
+    canaries.expect(r.status == canaries.request_status("WAITING_FOR_REMOTE_KVS"),
                     "r waits for its async load")
     b.update(b.execute(out), invalid={b.blocks("r")[0]}, finished_recving={"r"})
     need = -(-prompt_tokens // bs)
     found = Retry(usable_blocks, prompt_tokens, need, -(-offered // bs), None)
-    waiting = canaries._status("WAITING")
+    waiting = canaries.request_status("WAITING")
     for step in range(1, steps + 1):
         out = b.sched.schedule()
         if r.status != waiting:
