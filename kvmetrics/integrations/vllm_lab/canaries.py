@@ -71,9 +71,13 @@ class CanaryResult:
 P = prompt(1_000, 64)
 
 
-def _failed_sync_load(b: Bench, *extra: tuple[str, list[int]]) -> tuple[int, dict[str, list[int]]]:
+def _failed_sync_load(b: Bench, *extra: tuple[str, list[int]],
+                      aborted: tuple[str, ...] = ()) -> tuple[int, dict[str, list[int]]]:
     """Step 1: ``a`` (and ``extra`` requests, admitted right after it) run; a's block #1
-    fails. Returns the failed block id and every request's block table of that step."""
+    fails. ``aborted`` requests are aborted while the step runs (EngineCore applies
+    aborts right before ``update_from_output``, so the failure is processed with them
+    already gone). Returns the failed block id and every request's block table of that
+    step."""
     b.add("a", P, offer=48)
     for rid, tokens in extra:
         b.add(rid, tokens)
@@ -82,7 +86,10 @@ def _failed_sync_load(b: Bench, *extra: tuple[str, list[int]]) -> tuple[int, dic
     tables = {rid: b.blocks(rid) for rid in out.num_scheduled_tokens}
     failed = tables["a"][1]
     expect(b.hashed(failed), "a's blocks are hashed at allocation, before the load ran")
-    b.update(b.execute(out), invalid={failed})
+    step = b.execute(out)
+    if aborted:
+        b.sched.finish_requests(list(aborted), request_status("FINISHED_ABORTED"))
+    b.update(step, invalid={failed})
     return failed, tables
 
 
@@ -242,14 +249,7 @@ def aborted_owner_keeps_failed_block() -> tuple[bool, str]:
 
 def _aborted_owner() -> tuple[bool, str]:
     b = bench("fail")  # vLLM's default policy
-    b.add("a", P, offer=48)
-    out = b.sched.schedule()
-    failed = b.blocks("a")[1]
-    step = b.execute(out)
-    # The client goes away while the step runs: EngineCore applies aborts right
-    # before update_from_output, so the failure is processed with a already gone.
-    b.sched.finish_requests("a", request_status("FINISHED_ABORTED"))
-    b.update(step, invalid={failed})
+    failed, _ = _failed_sync_load(b, aborted=("a",))  # the client leaves during the step
     still_hashed = b.hashed(failed)
     b.add("c", P)
     hit, blocks = _hit(b, b.sched.schedule(), "c")
@@ -267,14 +267,9 @@ def _aborted_sharer() -> tuple[bool, str]:
     it loaded nothing, and vLLM's scans no longer see it."""
     b = bench("fail")
     sharer = P[:32] + prompt(5_000, 32)
-    b.add("a", P, offer=48)
-    b.add("s", sharer)
-    out = b.sched.schedule()
-    failed, own = b.blocks("a")[1], b.blocks("s")[2:4]
-    expect(b.blocks("s")[1] == failed, "s hits a's blocks in the local cache")
-    step = b.execute(out)
-    b.sched.finish_requests("s", request_status("FINISHED_ABORTED"))
-    b.update(step, invalid={failed})
+    failed, tables = _failed_sync_load(b, ("s", sharer), aborted=("s",))
+    expect(tables["s"][1] == failed, "s hits a's blocks in the local cache")
+    own = tables["s"][2:4]
     hit, reads = _sharers_prompt_after_a_retry(b, sharer, own)
     detail = (f"s, sharing a's block #1, is aborted in the same step; of its own blocks "
               f"{own}, computed over the failed one, f (s's prompt, after e cached #1's "
