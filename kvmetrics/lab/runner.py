@@ -258,7 +258,6 @@ def _loop(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngin
     start = state.start
     clock = 0  # virtual step, advanced by executed and skipped steps
     executed = 0
-    arrived = 0
     idle = 0
     while pending or engine.busy():
         if pending and not engine.busy():
@@ -266,8 +265,7 @@ def _loop(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngin
         while pending and int(pending[0].arrival_s / cfg.step_seconds) <= clock:
             item = pending.popleft()
             engine.add(item, cfg.max_tokens)
-            arrived += 1
-            state.arrived = arrived
+            state.arrived += 1
             delay = aborts_after.get(item.request_id)
             if delay is not None:
                 abort_at.setdefault(clock + delay, []).append(item.request_id)
@@ -290,7 +288,7 @@ def _loop(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngin
         executed += 1
         state.executed = executed
         timeline.close_step(executed, time.monotonic() - start)
-        done = arrived - engine.num_unfinished()
+        done = state.arrived - engine.num_unfinished()
         progress.update(done, executed)
     progress.update(len(items), executed, force=True)
 
