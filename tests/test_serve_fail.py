@@ -27,6 +27,7 @@ from tests.helpers.vllm_server import (
     ServerSpec,
     VllmServer,
     connector_config,
+    errored,
     loaded_tokens,
     output_tokens,
     total,
@@ -54,13 +55,6 @@ def rounds(server: VllmServer) -> dict:
     theirs, ours = server.pages_when_finished(2 * len(PROMPTS))
     return {"first": first, "second": second, "vllm": theirs, "ours": ours,
             "log": server.log()}
-
-
-def errored(answer: tuple[int, dict]) -> bool:
-    status, body = answer
-    if status != 200:
-        return True
-    return body["choices"][0].get("finish_reason") not in ("length", "stop")
 
 
 def test_errored_requests_equal_kvmetrics_failed_requests(rounds: dict) -> None:

@@ -46,6 +46,7 @@ from tests.helpers.vllm_server import (
     BLOCK_SIZE,
     ServerSpec,
     VllmServer,
+    errored,
     greedy_prompts,
     output_tokens,
     total,
@@ -143,11 +144,6 @@ def aborted_sharer_round(server: VllmServer) -> dict:
     assert status == 200, body
     return {"clean": clean, "o": answers["o"], "retried_o": retried_o,
             "u": output_tokens(body), "sharer_hit": hits}
-
-
-def errored(answer: tuple[int, dict]) -> bool:
-    status, body = answer
-    return status != 200 or body["choices"][0].get("finish_reason") not in ("length", "stop")
 
 
 def test_policy_fail_ends_the_owner_and_its_sharer(found) -> None:

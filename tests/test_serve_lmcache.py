@@ -42,6 +42,7 @@ from tests.helpers.vllm_server import (
     CONNECTOR_PROMPTS,
     ServerSpec,
     VllmServer,
+    errored,
     output_tokens,
     total,
     wait_until,
@@ -143,11 +144,6 @@ def test_recompute_outputs_and_counts_equal_vllms_log(stock: dict, recompute: di
     assert total(ours, "kvmetrics_kv_load_failed_requests_total", action="failed") == 0
     assert total(ours, "kvmetrics_prefix_cache_hit_tokens_total", source="external") == \
         total(recompute["vllm"], "vllm:external_prefix_cache_hits_total") > 0
-
-
-def errored(answer: tuple[int, dict]) -> bool:
-    status, body = answer
-    return status != 200 or body["choices"][0].get("finish_reason") not in ("length", "stop")
 
 
 def test_fail_policy_kills_vllm_032s_engine_at_the_first_failed_lmcache_load(

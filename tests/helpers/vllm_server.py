@@ -398,6 +398,12 @@ def output_tokens(body: dict[str, Any]) -> list[int]:
     return list(ids)
 
 
+def errored(answer: tuple[int, dict[str, Any]]) -> bool:
+    """Whether a completion answer (HTTP status, body) is an error a client sees."""
+    status, body = answer
+    return status != 200 or body["choices"][0].get("finish_reason") not in ("length", "stop")
+
+
 def total(page: str, name: str, **labels: str) -> float:
     """Sum of the samples named ``name`` whose labels include ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
