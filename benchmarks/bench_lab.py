@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def trace_path() -> Path:
-    default = REPO.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+    default = REPO / "data" / "traces" / "mooncake_conversation_trace.jsonl"
     return Path(os.environ.get("KVMETRICS_MOONCAKE_TRACE", default))
 
 

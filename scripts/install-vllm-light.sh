@@ -5,8 +5,7 @@
 # this takes the CPU torch 2.13.0, vLLM and xgrammar without dependencies, then the
 # pure-Python runtime deps the scheduler imports, pinned in vllm-light-pins.txt.
 #
-#   KVMETRICS_VLLM_PINS   the pins file (default: ../shared/docs/vllm-light-pins.txt,
-#                         relative to the repository root)
+#   KVMETRICS_VLLM_PINS   the pins file (default: scripts/vllm-light-pins.txt)
 #   KVMETRICS_VLLM_FORCE  1: reinstall even if this pins file was installed already
 #   PYTHON                the interpreter whose pip to use (default: the active python)
 #
@@ -14,7 +13,7 @@
 # pip's complaint about left-out CUDA-side dependencies is expected.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-PINS="${KVMETRICS_VLLM_PINS:-$ROOT/../shared/docs/vllm-light-pins.txt}"
+PINS="${KVMETRICS_VLLM_PINS:-$ROOT/scripts/vllm-light-pins.txt}"
 PY="${PYTHON:-python}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 

@@ -11,12 +11,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def mooncake_trace() -> Path:
-    """The Mooncake trace beside the checkout (CI has it there); never skipped if absent."""
-    default = REPO.parent / "shared" / "data" / "mooncake_conversation_trace.jsonl"
+    """The Mooncake trace the repository ships (data/traces/); never skipped if absent."""
+    default = REPO / "data" / "traces" / "mooncake_conversation_trace.jsonl"
     path = Path(os.environ.get("KVMETRICS_MOONCAKE_TRACE", default))
     assert path.is_file(), (
-        f"Mooncake trace not found at {path}: put it in ../shared/data/ beside the checkout or "
-        "set KVMETRICS_MOONCAKE_TRACE (see README)")
+        f"Mooncake trace not found at {path}: it ships in data/traces/ (or set "
+        "KVMETRICS_MOONCAKE_TRACE)")
     return path
 
 

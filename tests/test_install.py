@@ -21,7 +21,7 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 CONSTRAINTS = ROOT / "scripts" / "constraints.txt"
-LIGHT_PINS = ROOT.parent / "shared" / "docs" / "vllm-light-pins.txt"
+LIGHT_PINS = ROOT / "scripts" / "vllm-light-pins.txt"
 
 
 def _canon(name: str) -> str:
@@ -29,7 +29,7 @@ def _canon(name: str) -> str:
 
 
 def _pins(path: Path) -> dict[str, str]:
-    assert path.is_file(), f"{path} not found (see README: ../shared beside the checkout)"
+    assert path.is_file(), f"{path} not found"
     pins = {}
     for line in path.read_text().splitlines():
         line = line.split("#")[0].strip()

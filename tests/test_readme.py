@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,27 @@ def test_relative_links_reach_a_file_and_heading(path: Path) -> None:
             if anchor not in {_anchor(h) for h in headings}:
                 broken.append(f"{target}#{anchor} (no such heading)")
     assert broken == [], f"{path.name}: {broken}"
+
+
+def test_no_tracked_file_reads_outside_the_checkout() -> None:
+    """Users clone the repository alone: no script, test, doc or code may name a sibling
+    folder of the checkout (the light vLLM pins and the trace once lived in one)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    sibling = re.compile(r"\.\./shared\b|parent\s*/\s*[\"']shared[\"']|REPO\.parent|ROOT\.parent")
+    offenders = []
+    for name in filter(None, listed):
+        path = ROOT / name
+        if path.suffix in {".jsonl", ".png"} or not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        offenders += [f"{name}:{n}" for n, line in enumerate(text.splitlines(), 1)
+                      if sibling.search(line)]
+    assert not offenders, offenders
+
+
+def test_shipped_trace_has_its_licence_beside_it() -> None:
+    traces = ROOT / "data" / "traces"
+    assert (traces / "mooncake_conversation_trace.jsonl").is_file()
+    assert "Apache License" in (traces / "LICENSE-MOONCAKE").read_text(encoding="utf-8")
+    assert "LICENSE-MOONCAKE" in (traces / "README.md").read_text(encoding="utf-8")
