@@ -47,6 +47,17 @@ def test_fixed_value_sets_are_shown_in_help() -> None:
     assert "{unified,historical}" in run_cli("soak", "--help").stdout
 
 
+def test_a_mistyped_option_gets_the_closest_option_of_its_sub_command() -> None:
+    result = run_cli("soak", "--scenario", "3", "--jbs=2")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (
+        "kvmetrics: error: unrecognized arguments: --scenario 3 --jbs=2 "
+        "(--scenario: did you mean --scenarios?; --jbs: did you mean --jobs?)")
+    # run's own options, not soak's: --fault-rate exists only there.
+    assert "did you mean --fault-rate?" in run_cli("run", "--fault-rat", "0.1").stderr
+    assert "did you mean" not in run_cli("run", "--zzzzzz").stderr
+
+
 def test_catalogue_json() -> None:
     result = run_cli("catalogue", "--json")
     assert result.returncode == 0 and result.stderr == ""

@@ -113,3 +113,12 @@ def test_shipped_trace_has_its_licence_beside_it() -> None:
     assert (traces / "mooncake_conversation_trace.jsonl").is_file()
     assert "Apache License" in (traces / "LICENSE-MOONCAKE").read_text(encoding="utf-8")
     assert "LICENSE-MOONCAKE" in (traces / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_vllm_install_hint_names_a_command_and_a_section_that_exist() -> None:
+    from kvmetrics.lab.config import VLLM_INSTALL_HINT
+    script, doc, anchor = re.search(r"bash (scripts/[\w.-]+) .*\((docs/[\w.-]+)#([\w-]+)\)",
+                                    VLLM_INSTALL_HINT).groups()
+    assert (ROOT / script).is_file()
+    headings = re.findall(r"^#+ (.*)$", (ROOT / doc).read_text(encoding="utf-8"), flags=re.M)
+    assert anchor in {_anchor(h) for h in headings}, (anchor, headings)

@@ -48,6 +48,13 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"kvmetrics: error: {one_line(message)}\n")
 
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            from kvmetrics.cli.suggest import unrecognized_message
+            self.error(unrecognized_message(self, parsed, extras))
+        return parsed
+
 
 @dataclass(frozen=True)
 class Command:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmetrics.cli.common import Command, fail
+from kvmetrics.lab.config import VLLM_INSTALL_HINT
 
 
 def _add(p: argparse.ArgumentParser) -> None:
@@ -85,7 +86,7 @@ def _check(args: argparse.Namespace) -> int:
     try:
         from kvmetrics.integrations.vllm_lab import canaries
     except ImportError as e:
-        return fail(f"vllm-check needs vLLM installed ({e}); see README 'vLLM integration'")
+        return fail(f"vllm-check needs vLLM installed ({e}); {VLLM_INSTALL_HINT}")
     known = [d.id for d in canaries.DEFECTS]
     unknown = sorted(set(args.only or ()) - set(known))
     if unknown:

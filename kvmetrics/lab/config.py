@@ -27,6 +27,12 @@ KV_MEMORY_SHARE = 0.5
 MIN_STEP_SECONDS = 1e-6
 
 
+#: What a lab command says when vLLM is missing: a command that installs it and the doc
+#: section that explains the install (tests/test_readme.py checks the section exists).
+VLLM_INSTALL_HINT = ("install the light CPU-only vLLM with: bash scripts/install.sh --vllm "
+                     "(docs/vllm.md#installing)")
+
+
 class LabError(ValueError):
     """Bad input to a lab run; the message is shown to the user as one line."""
 

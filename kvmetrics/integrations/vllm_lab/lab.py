@@ -12,13 +12,12 @@ from kvmetrics.engine.executor import worker_tokens
 from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.config import VLLM_INSTALL_HINT, LabConfig, LabError
 
 try:
     from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 except ImportError as e:  # the lab shows this message as its one-line error
-    raise ImportError(f"vLLM is not installed ({e}); see README 'vLLM integration' for the "
-                      "light CPU-only install") from e
-from kvmetrics.lab.config import LabConfig, LabError
+    raise ImportError(f"vLLM is not installed ({e}); {VLLM_INSTALL_HINT}") from e
 from kvmetrics.lab.engines import EOS_PROBABILITY, make_request, make_runner
 from kvmetrics.lab.workload import WorkItem
 from kvmetrics.metrics.events import StepEvents
