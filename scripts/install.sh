@@ -11,7 +11,8 @@
 #            (scripts/install-connectors.sh; implies --vllm-cpu)
 # torch is installed first as the CPU build 2.13.0, so that nothing pulls a
 # multi-GB CUDA build; set KVMETRICS_TORCH_SPEC to choose another torch.
-# pip's output goes to .venv/install.log and is shown only if a step fails.
+# Each step prints one line as it starts; pip's output goes to .venv/install.log and is
+# shown only if a step fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,6 +51,7 @@ fi
 step() {
   local what=$1
   shift
+  echo "install.sh: $what ($(date +%T))"
   echo "+ $*" >> "$LOG"
   if ! "$@" >> "$LOG" 2>&1; then
     echo "install.sh: $what failed; its output (from $LOG):" >&2

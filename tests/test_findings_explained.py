@@ -157,7 +157,7 @@ def test_lab_summary_explains_the_stale_reads() -> None:
     assert "the verifier found" in text.stderr and "Traceback" not in text.stderr
     allowed = run_cli("run", *STALE, "--allow-stale-reads")
     assert allowed.returncode == 0, allowed.stderr  # ... unless allowed
-    assert re.search(r"stale KV: \d+ failed block reads by \d+ request\(s\) in \d+ distinct "
+    assert re.search(r"stale KV: \d+ stale block reads by \d+ request\(s\) in \d+ distinct "
                      r"block\(s\), first at step \d+", text.stdout)
     assert DOCS_STALE in text.stdout and "avoid it with --recovery evict" in text.stdout
     result = run_cli("run", *STALE, "--json")

@@ -122,3 +122,9 @@ def test_the_vllm_install_hint_names_a_command_and_a_section_that_exist() -> Non
     assert (ROOT / script).is_file()
     headings = re.findall(r"^#+ (.*)$", (ROOT / doc).read_text(encoding="utf-8"), flags=re.M)
     assert anchor in {_anchor(h) for h in headings}, (anchor, headings)
+
+
+def test_the_docs_index_lists_every_doc() -> None:
+    index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\(([\w-]+\.md)\)", index))
+    assert {p.name for p in DOCS} - {"README.md"} <= linked

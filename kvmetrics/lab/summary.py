@@ -84,7 +84,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("guard rejected increments", str(summary["guard_rejected_increments"])),
         ("invariant violations", str(summary["invariant_violations"])),
         ("verified tokens", f"{summary['verification']['verified_tokens']} "
-                            f"({summary['verification']['failed_blocks']} failed blocks)"),
+                            f"({summary['verification']['failed_blocks']} stale block reads)"),
         ("steps / wall time", f"{summary['steps']} / {summary['wall_seconds']:.2f} s"),
     ]
 
@@ -94,11 +94,11 @@ def explanation_lines(summary: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     f = summary.get("findings") or {}
     if f.get("failed_blocks"):
-        lines.append(f"stale KV: {f['failed_blocks']} failed block reads by {f['requests']} "
+        lines.append(f"stale KV: {f['failed_blocks']} stale block reads by {f['requests']} "
                      f"request(s) in {f['blocks']} distinct block(s), first at step "
                      f"{f['first_step']}")
         for c in f["causes"]:
-            lines.append(f"  {c['failed_blocks']} failed block read(s), {c['requests']} "
+            lines.append(f"  {c['failed_blocks']} stale block read(s), {c['requests']} "
                          f"request(s), {c['blocks']} block(s) from step {c['first_step']}: "
                          f"{c['explanation']}")
             lines.append(f"    e.g. {c['example']}")
