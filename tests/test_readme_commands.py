@@ -1,0 +1,170 @@
+"""The README's lab commands, run as a newcomer types them.
+
+tests/test_readme.py parses every command; this module runs the block of "Use the lab"
+line by line, in order, in a scratch folder that holds only what a fresh clone has
+beside the commands (``data/`` and ``scripts/`` of this checkout), with the quick
+start's venv first on PATH as `. .venv/bin/activate` puts it. The install line itself
+is what scripts/test.sh ran before the tests, so it is checked, not run again.
+Each command must do what its comment says, judged by what a person would look at:
+the exit code, the summary, the page it serves, the report it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.lab_support import REPO
+
+README = REPO / "README.md"
+
+
+def lab_block() -> list[str]:
+    """The "Use the lab" code block's command lines, continuations joined, comments cut."""
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"## Use the lab\n\n```bash\n(.*?)```", text, flags=re.S)
+    assert block, "README has no 'Use the lab' bash block"
+    lines = []
+    for line in re.sub(r"\\\n\s*", " ", block[1]).splitlines():
+        command = line.split("  #", 1)[0].strip()
+        if command:
+            lines.append(command)
+    return lines
+
+
+def _command(prefix: str) -> str:
+    """The one block line that starts with ``prefix``."""
+    found = [c for c in lab_block() if c.startswith(prefix)]
+    assert len(found) == 1, (prefix, lab_block())
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def newcomer(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """A scratch folder with the checkout's data/ and scripts/, and the activated venv's env."""
+    home = tmp_path_factory.mktemp("newcomer")
+    for name in ("data", "scripts"):
+        (home / name).symlink_to(REPO / name)
+    venv_bin = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+           "VIRTUAL_ENV": str(venv_bin.parent), "COLUMNS": "100"}
+    return {"cwd": home, "env": env}
+
+
+def _run(newcomer: dict[str, object], command: str, timeout: float
+         ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", command], cwd=newcomer["cwd"], env=newcomer["env"],
+                          capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_the_block_starts_with_the_venv_and_installs_vllm_before_using_it() -> None:
+    block = lab_block()
+    assert block[0] == ". .venv/bin/activate"
+    install = block.index("bash scripts/install.sh --vllm")
+    uses_vllm = [i for i, c in enumerate(block) if "--engine vllm" in c or "vllm-check" in c]
+    assert uses_vllm and min(uses_vllm) > install, block
+    assert all(c.startswith(("kvmetrics ", ". ", "bash scripts/")) for c in block), block
+
+
+def test_default_run(newcomer: dict[str, object]) -> None:
+    assert "kvmetrics run" in lab_block()  # the default job: no options at all
+    result = _run(newcomer, "kvmetrics run", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "KV load blocks" in result.stdout and "verified tokens" in result.stdout, \
+        result.stdout[-3000:]
+    failed = re.search(r"KV load blocks\W+\d+ ok, (\d+) failed", result.stdout)
+    assert failed and int(failed[1]) > 0, result.stdout[-3000:]  # "faults": some loads fail
+
+
+def test_served_run_is_scraped_live_and_stops_on_ctrl_c(newcomer: dict[str, object]) -> None:
+    command = _command("kvmetrics run --serve")
+    address = re.search(r"--serve (\S+)", command)[1]
+    proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=newcomer["cwd"],
+                            env=newcomer["env"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        page, deadline = "", time.monotonic() + 600
+        while "kvmetrics_kv_load_blocks_total" not in page:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the page never showed the counters"
+            try:
+                with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as r:
+                    page = r.read().decode()
+            except OSError:
+                time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert "interrupted" in err, err[-3000:]
+
+
+def test_the_shipped_trace_replays(newcomer: dict[str, object]) -> None:
+    result = _run(newcomer, _command("kvmetrics run --trace"), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Every one of the trace's requests was submitted, and prefixes were shared.
+    assert re.search(r"requests\W+12031 submitted", result.stdout), result.stdout[-3000:]
+    hits = re.search(r"local prefix hits\W+(\d+)/(\d+) tokens", result.stdout)
+    assert hits and int(hits[1]) > 0, result.stdout[-3000:]
+
+
+@pytest.fixture(scope="module")
+def soak(newcomer: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    return _run(newcomer, _command("kvmetrics soak --scenarios"), timeout=1200)
+
+
+def test_soak_finds_vllms_defects_and_prints_replay_lines(
+        soak: subprocess.CompletedProcess[str]) -> None:
+    # As the README says: exit 1, failing seeds, each with the line that replays it.
+    assert soak.returncode == 1, soak.stderr[-3000:]
+    assert "Traceback" not in soak.stderr
+    replays = re.findall(r"^\s*kvmetrics run .*--seed (\d+)", soak.stdout, flags=re.M)
+    assert replays, soak.stdout[-3000:]
+
+
+def test_explain_a_failing_seed(newcomer: dict[str, object],
+                                soak: subprocess.CompletedProcess[str]) -> None:
+    seed = re.findall(r"^\s*kvmetrics run .*--seed (\d+)", soak.stdout, flags=re.M)[0]
+    command = _command("kvmetrics soak --explain").replace("SEED", seed)
+    result = _run(newcomer, command, timeout=600)
+    assert result.returncode == 1, result.stderr[-3000:]  # the seed read stale KV
+    assert "stale KV" in result.stdout and "see docs/" in result.stdout, result.stdout[-3000:]
+
+
+def test_the_vllm_install_line_is_the_one_the_test_install_ran() -> None:
+    # scripts/test.sh ran `install.sh ... --vllm` before the tests: the light vLLM is here.
+    assert "--vllm" in shlex.split(_command("bash scripts/install.sh"))
+    import vllm.v1.core.sched.scheduler  # noqa: F401
+
+
+def test_run_on_vllms_scheduler_writes_the_report(newcomer: dict[str, object]) -> None:
+    command = _command("kvmetrics run --engine vllm")
+    result = _run(newcomer, command, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    page = Path(newcomer["cwd"]) / shlex.split(command)[shlex.split(command).index(
+        "--report") + 1]
+    html = page.read_text(encoding="utf-8")
+    assert "kvmetrics run report" in html and "engine vllm" in html
+
+
+def test_vllm_check_json(newcomer: dict[str, object]) -> None:
+    result = _run(newcomer, _command("kvmetrics vllm-check"), timeout=900)
+    report = json.loads(result.stdout)
+    assert result.stderr.count("Traceback") == 0, result.stderr[-3000:]
+    assert report["defects"] and all("present" in d for d in report["defects"]), report
