@@ -16,6 +16,7 @@ of dead processes can be merged once and the live ones added on each scrape.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -60,9 +61,11 @@ class FileName:
     pid_text: str
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def parse_name(path: str) -> FileName | None:
     """``counter_<pid>.db`` or ``gauge_<mode>_<pid>.db`` (and histogram, summary); None
-    for any other name, or a pid no process can have."""
+    for any other name, or a pid no process can have (or written otherwise than the
+    library writes it). Cached: a scrape asks for every name three times."""
     base = os.path.basename(path)
     if not base.endswith(".db"):
         return None
@@ -77,7 +80,8 @@ def parse_name(path: str) -> FileName | None:
     if not (pid_text.isascii() and pid_text.isdigit()) or len(pid_text) > 8:
         return None
     pid = int(pid_text)
-    return FileName(typ, mode, pid, pid_text) if 0 < pid <= MAX_PID else None
+    ok = 0 < pid <= MAX_PID and pid_text == str(pid)  # no leading zeros
+    return FileName(typ, mode, pid, pid_text) if ok else None
 
 
 def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
