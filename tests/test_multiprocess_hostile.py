@@ -157,13 +157,15 @@ def test_a_file_that_cannot_grow_is_an_error_and_keeps_what_it_holds(tmp_path: P
 
 # -- case 12: a pid no process can have ---------------------------------------------------
 
-def test_a_pid_that_overflows_os_kill_is_a_skipped_file(mpdir: Path) -> None:
+def test_a_pid_that_overflows_os_kill_a_fifo_and_a_link_are_skipped_files(mpdir: Path) -> None:
     gauge = next(iter(mpdir.glob("counter_*.db"))).read_bytes()
     (mpdir / "gauge_livesum_99999999999999999999.db").write_bytes(gauge)
     (mpdir / "notes.db").write_bytes(b"x")  # not the library's either
+    os.mkfifo(mpdir / "counter_4000003.db")  # opening it to read would wait for a writer
+    (mpdir / "counter_4000004.db").symlink_to("/dev/zero")
     page = _page(mpdir)  # creating the sink reaps: it raised OverflowError at start
     assert 'kvmetrics_preemptions_total{engine="5"' in page
-    assert _skipped(page) == 2
+    assert _skipped(page) == 4
     run = _python(mpdir, "-m", "kvmetrics", "run", "--max-requests", "3", "--verify", "off")
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
 
