@@ -38,7 +38,7 @@ log = logging.getLogger("kvmetrics.http")
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 413: "Content Too Large",
             431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            505: "HTTP Version Not Supported"}
+            503: "Service Unavailable", 505: "HTTP Version Not Supported"}
 _ALLOW = "GET, HEAD, OPTIONS"
 
 
@@ -91,6 +91,11 @@ def render_page(collector: Collector, method: str, target: str,
         body = gzip.compress(body, compresslevel=6)
         out.append(("Content-Encoding", "gzip"))
     return Page(200, out, body)
+
+
+class PageUnavailable(Exception):
+    """Raised by a collector whose values cannot be read for a known reason (it logs
+    that itself): the scrape fails with 503 and that one line, not a traceback."""
 
 
 class _Restricted(Collector):
@@ -257,6 +262,9 @@ class _Handler:
     def _render(self, method: str, target: str, headers: dict[str, str]) -> Page:
         try:
             return render_page(self.collector, method, target, headers)
+        except PageUnavailable as e:
+            self.stats.errors += 1
+            return Page(503, [], f"{e}\n".encode())
         except Exception as e:
             self.stats.errors += 1
             log.exception("kvmetrics: rendering the metrics page failed")

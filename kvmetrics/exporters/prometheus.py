@@ -8,6 +8,8 @@ the sum of all of them.
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import ssl
 import threading
@@ -25,6 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
+from kvmetrics.exporters.mmap_space import reserve_multiprocess_space
 from kvmetrics.exporters.multiprocess import ProcessLifetime, TolerantMultiProcessCollector
 from kvmetrics.metrics.catalogue import (
     ALL_METRICS,
@@ -36,6 +39,8 @@ from kvmetrics.metrics.catalogue import (
     MetricSpec,
 )
 from kvmetrics.metrics.events import GaugeReadings
+
+log = logging.getLogger("kvmetrics.prometheus")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9400
@@ -81,6 +86,13 @@ class PrometheusSink:
                  max_engines: int = DEFAULT_MAX_ENGINES) -> None:
         directory = multiprocess_dir()
         self.multiprocess = directory is not None
+        if directory is not None:
+            reserve_multiprocess_space()  # before any value file is made: ENOSPC, not SIGBUS
+        #: Updates dropped because their new series could not be stored (multiprocess
+        #: mode: no space, or the directory gone). Logged once, then on close().
+        self.unstored_updates = 0
+        self._storage_error: str | None = None
+        self._merged: tuple[str, CollectorRegistry] | None = None
         #: Marks this process dead in the shared directory on close() and at exit.
         self._lifetime = ProcessLifetime(directory) if directory else None
         if registry is None:
@@ -121,10 +133,30 @@ class PrometheusSink:
         key = (spec.name, values)
         child = self._children.get(key)
         if child is None:
+            if self._storage_error is not None:
+                self.unstored_updates += 1
+                return None
             if not self._admit(spec, values, count):
                 return None
-            child = self._children[key] = self._metrics[spec.name].labels(*values)
+            try:
+                child = self._metrics[spec.name].labels(*values)
+            except OSError as e:  # multiprocess mode: the value file cannot grow
+                if spec is not SERIES_OVERFLOW:  # its _admit counts no series
+                    self._series[spec.name] -= 1
+                self._storage_failed(e)
+                return None
+            self._children[key] = child
         return child
+
+    def _storage_failed(self, e: OSError) -> None:
+        """No new series from now on in this process (each would fail the same way, at
+        the cost of a system call); the existing ones keep their reserved place."""
+        self.unstored_updates += 1
+        atexit.register(self._report_unstored)  # an engine may exit without close()
+        self._storage_error = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        log.error("kvmetrics: cannot store new metric series in PROMETHEUS_MULTIPROC_DIR "
+                  "%r (%s); new series are dropped from now on in pid %d, existing ones "
+                  "keep counting", multiprocess_dir(), self._storage_error, os.getpid())
 
     def _admit(self, spec: MetricSpec, values: tuple[str, ...], count: bool) -> bool:
         """First sight of a label set: bounded values and room left in the family.
@@ -199,9 +231,12 @@ class PrometheusSink:
         mode, every process's, which have no ``_created`` samples either)."""
         directory = multiprocess_dir()
         if self.multiprocess and directory:
-            source = CollectorRegistry(auto_describe=False)
-            source.register(TolerantMultiProcessCollector(directory, self._bad_file))
-            return source
+            if self._merged is None or self._merged[0] != directory:
+                # One collector per sink: it keeps what it read of files that do not change.
+                source = CollectorRegistry(auto_describe=False)
+                source.register(TolerantMultiProcessCollector(directory, self._bad_file))
+                self._merged = (directory, source)
+            return self._merged[1]
         return self.registry
 
     def _bad_file(self, path: str) -> None:
@@ -211,8 +246,17 @@ class PrometheusSink:
         if child is not None:
             child.inc()
 
+    def _report_unstored(self) -> None:
+        """How many updates the storage failure cost, said once (on close or at exit)."""
+        if self._storage_error is not None and self.unstored_updates:
+            log.error("kvmetrics: %d metric updates were dropped in pid %d: no room for "
+                      "their series in PROMETHEUS_MULTIPROC_DIR (%s)", self.unstored_updates,
+                      os.getpid(), self._storage_error)
+            self.unstored_updates = 0
+
     def close(self) -> None:
         """The engine stops: in multiprocess mode its live gauges go with it."""
+        self._report_unstored()
         if self._lifetime is not None:
             self._lifetime.close()
 

@@ -1,0 +1,105 @@
+"""Multiprocess scrapes with thousands of dead processes' files (issue 28, case 13).
+
+One real engine run (``kvmetrics run``, 20 requests) writes its files; they are copied
+as the leftovers of 2,000 processes that no longer exist (pids nobody holds). Timed:
+prometheus-client's merge of every file (what each scrape cost before, and still costs
+vLLM's own ``/metrics``), kvmetrics' collector on its first scrape and on later ones,
+and both again after one empty ``*.db`` file is added (before, every file was then
+re-read one by one to find the bad one). ``python -m benchmarks.bench_multiprocess``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from benchmarks.common import Row, best_time
+from kvmetrics.exporters.multiprocess import TolerantMultiProcessCollector
+
+PROCESSES = 2000
+
+
+def _engine_files(directory: Path) -> list[Path]:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root),
+                                                       os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, "-m", "kvmetrics", "run", "--max-requests", "20",
+                    "--verify", "off", "--json"], cwd=root, env=env, check=True,
+                   stdout=subprocess.DEVNULL, timeout=600)
+    return sorted(directory.glob("*.db"))
+
+
+def _dead_pids(n: int) -> list[int]:
+    pids = []
+    for pid in range(4_194_303, 0, -1):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            pids.append(pid)
+            if len(pids) == n:
+                break
+        except OSError:
+            pass
+    return pids
+
+
+def _old_merge(files: list[str]) -> None:
+    """kvmetrics before: the library's merge, and on failure each file on its own."""
+    try:
+        MultiProcessCollector.merge(files, accumulate=True)
+        return
+    except Exception:
+        pass
+    good = []
+    for f in files:
+        try:
+            MultiProcessCollector.merge([f], accumulate=True)
+            good.append(f)
+        except Exception:
+            pass
+    MultiProcessCollector.merge(good, accumulate=True)
+
+
+def run(quick: bool = False) -> list[Row]:
+    n = 200 if quick else PROCESSES
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        made = Path(scratch, "made")
+        made.mkdir()
+        sources = _engine_files(made)
+        directory = Path(scratch, "multiproc")
+        directory.mkdir()
+        for pid in _dead_pids(n):
+            for source in sources:
+                shutil.copyfile(source, directory / f"{source.name.split('_')[0]}_{pid}.db")
+        files = sorted(str(p) for p in directory.glob("*.db"))
+        collector = TolerantMultiProcessCollector(str(directory), lambda path: None)
+        name = f"multiprocess, {n} dead processes"
+        repeat = 2 if quick else 3
+        rows.append(Row(name, "prometheus-client merge per scrape",
+                        best_time(lambda: MultiProcessCollector.merge(files), repeat) * 1e3,
+                        "ms"))
+        rows.append(Row(name, "kvmetrics first scrape",
+                        best_time(lambda: list(collector.collect()), 1) * 1e3, "ms"))
+        rows.append(Row(name, "kvmetrics later scrapes",
+                        best_time(lambda: list(collector.collect()), repeat) * 1e3, "ms"))
+        (directory / "counter_1.db").write_bytes(b"")  # pid 1 lives: read on every scrape
+        files.append(str(directory / "counter_1.db"))
+        rows.append(Row(name, "+1 empty file: kvmetrics before (each file re-read)",
+                        best_time(lambda: _old_merge(files), 1) * 1e3, "ms"))
+        rows.append(Row(name, "+1 empty file: kvmetrics later scrapes",
+                        best_time(lambda: list(collector.collect()), repeat) * 1e3, "ms"))
+    return rows
+
+
+if __name__ == "__main__":
+    from benchmarks.common import render
+
+    print(render(run(quick="--quick" in sys.argv)))
