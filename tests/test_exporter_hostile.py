@@ -414,3 +414,13 @@ def test_a_1_mb_header_line_gets_431_not_a_reset() -> None:
         answer = _raw(server.port, b"GET /metrics HTTP/1.1\r\nX-Big: " + b"a" * 1_000_000 +
                       b"\r\n\r\n", read=64)
     assert answer.startswith(b"HTTP/1.1 431")
+
+
+def test_page_age_and_rate_come_from_the_environment(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("KVMETRICS_SCRAPE_MAX_AGE_S", "2.5")
+    monkeypatch.setenv("KVMETRICS_SCRAPE_RATE", "nan")
+    with running() as server:
+        limits = server.endpoint.pages.max_age_s, server.endpoint.rate.rate
+    assert limits == (2.5, ServerLimits().max_requests_per_s)
+    assert [r.message for r in caplog.records if "KVMETRICS_SCRAPE_RATE" in r.message]

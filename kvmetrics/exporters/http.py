@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -34,7 +35,13 @@ from dataclasses import dataclass, field
 
 from prometheus_client.registry import Collector
 
-from kvmetrics.exporters.admission import Connection, ConnectionTable, RequestRate, State
+from kvmetrics.exporters.admission import (
+    Connection,
+    ConnectionTable,
+    RequestRate,
+    ServerLimits,
+    State,
+)
 from kvmetrics.exporters.pages import Page, PageCache, render_page, route
 
 __all__ = ["HTTPEndpoint", "Page", "ServerLimits", "render_page", "start_endpoint"]
@@ -46,42 +53,6 @@ _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Al
             431: "Request Header Fields Too Large", 500: "Internal Server Error",
             505: "HTTP Version Not Supported"}
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one client may cost the endpoint; defaults sized for one scraper per replica
-    plus a few curious people, with room to spare."""
-
-    #: ``listen()`` backlog: connections the kernel queues before the loop accepts them.
-    backlog: int = 128
-    #: Open connections at once; past it the oldest idle one is closed to make room.
-    max_connections: int = 1024
-    #: TLS connections with SSL state (about 300 KB each) at once.
-    max_tls_sessions: int = 32
-    #: From accept to a whole request head (TLS handshake included).
-    header_timeout_s: float = 10.0
-    #: A kept-alive connection waiting for its next request (Prometheus reuses one
-    #: connection per target; it reconnects if this closed it).
-    keepalive_timeout_s: float = 60.0
-    #: Writing one answer (a client that does not read is dropped).
-    write_timeout_s: float = 10.0
-    #: Request line plus headers.
-    max_header_bytes: int = 16 * 1024
-    #: Threads that render pages (renders run one at a time; the second thread
-    #: keeps a slow collector from delaying the pool's shutdown bookkeeping).
-    render_threads: int = 2
-    #: A page is collected at most once per this many seconds and served from memory
-    #: in between: a scrape sees values at most this old. 0: every scrape collects.
-    page_max_age_s: float = 0.5
-    #: Requests answered per second, all clients together (later ones wait their
-    #: turn); 0: no bound. The burst allowance is the same number.
-    max_requests_per_s: float = 50.0
-    #: After an error answer (431, 400...), how long the rest of the request is read
-    #: and dropped, so that the client reads the answer instead of a reset.
-    linger_s: float = 2.0
-    #: ... and at most how many bytes of it.
-    max_linger_bytes: int = 8 * 1024 * 1024
 
 
 @dataclass
@@ -137,7 +108,7 @@ def start_endpoint(collector: Collector, host: str, port: int,
                    on_page: Callable[[], None] | None = None) -> HTTPEndpoint:
     """Bind ``host:port`` now (errors raise here, in the caller) and serve ``collector``
     from a daemon thread."""
-    limits = limits or ServerLimits()
+    limits = limits or ServerLimits.from_env(os.environ)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, port), family=family, backlog=limits.backlog)
     sock.setblocking(False)
@@ -212,6 +183,12 @@ class _Handler:
                     self.table.evict_idle()
                     await asyncio.sleep(0.05)
                 continue
+            except Exception as e:  # never let the endpoint stop accepting
+                self.stats.errors += 1
+                log.warning("kvmetrics: metrics endpoint accept failed: %s: %s",
+                            type(e).__name__, e)
+                await asyncio.sleep(0.1)
+                continue
             sock.setblocking(False)
             conn = Connection()
             if not self.table.admit(conn):
@@ -271,13 +248,15 @@ class _Handler:
         deadline = conn.since + limits.header_timeout_s
         while True:
             try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
-                                              max(0.0, deadline - time.monotonic()))
+                # asyncio.timeout, not wait_for: no task per request (the loop thread's
+                # time per answer is GIL the engine waits for)
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    head = await reader.readuntil(b"\r\n\r\n")
             except asyncio.LimitOverrunError:
                 return await self._refuse(conn, reader, writer, 431, "request head too large")
             except asyncio.IncompleteReadError:
                 return True  # closed between requests
-            conn.enter(State.BUSY)
+            self.table.enter(conn, State.BUSY)
             try:
                 method, target, version, headers = _parse_head(head)
             except _BadRequest as e:
@@ -291,7 +270,7 @@ class _Handler:
                 self.on_page()
             if not keep_alive:
                 return True
-            conn.enter(State.IDLE)
+            self.table.enter(conn, State.IDLE)
             deadline = conn.since + limits.keepalive_timeout_s
 
     async def _refuse(self, conn: Connection, reader: asyncio.StreamReader,
@@ -299,7 +278,7 @@ class _Handler:
         """Answer ``status`` and close, reading (and dropping) what the client still
         sends for a while: closing with unread bytes would reset the connection
         before the client reads the answer."""
-        conn.enter(State.BUSY)
+        self.table.enter(conn, State.BUSY)
         await self._answer(writer, Page(status, [], f"{why}\n".encode()), False)
         if writer.can_write_eof():
             writer.write_eof()
@@ -324,7 +303,8 @@ class _Handler:
         writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         if not head_only:
             writer.write(page.body)
-        await asyncio.wait_for(writer.drain(), self.limits.write_timeout_s)
+        async with asyncio.timeout(self.limits.write_timeout_s):
+            await writer.drain()
         self.stats.served += 1
 
 
