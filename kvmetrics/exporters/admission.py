@@ -56,10 +56,10 @@ class ServerLimits:
     render_threads: int = 1
     #: A page is collected at most once per this many seconds and served from memory
     #: in between: a scrape sees values at most this old. 0: every scrape collects.
-    page_max_age_s: float = 0.5
+    page_max_age_s: float = 1.0
     #: Requests answered per second, all clients together (later ones wait their
     #: turn); 0: no bound. The burst allowance is the same number.
-    max_requests_per_s: float = 50.0
+    max_requests_per_s: float = 20.0
     #: After an error answer (431, 400...), how long the rest of the request is read
     #: and dropped, so that the client reads the answer instead of a reset.
     linger_s: float = 2.0

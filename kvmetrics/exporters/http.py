@@ -80,6 +80,11 @@ class HTTPEndpoint:
     rate: RequestRate
     connections: set[Connection] = field(default_factory=set)
 
+    def refresh(self) -> None:
+        """The next page is collected anew, whatever its age (thread-safe)."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.pages.invalidate)
+
     def stop(self, timeout: float = 5.0) -> None:
         async def close() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

@@ -197,8 +197,16 @@ class PageCache:
         self._taken = float("-inf")
         self._pages: dict[Variant, Page] = {}
         self._lock = asyncio.Lock()
+        #: Bumped by :meth:`invalidate`: a collection begun before is not kept.
+        self._generation = 0
         #: Collections done (a test and the benchmark read it).
         self.collections = 0
+
+    def invalidate(self) -> None:
+        """The values changed in a way a scraper must see at once (a run finished): the
+        next request collects again. Event loop thread only."""
+        self._generation += 1
+        self._taken, self._pages = float("-inf"), {}
 
     def _fresh(self, variant: Variant) -> Page | None:
         if time.monotonic() - self._taken >= self.max_age_s:
@@ -215,9 +223,12 @@ class PageCache:
                 return page
             stale = time.monotonic() - self._taken >= self.max_age_s
             snapshot = None if stale else self._snapshot
+            generation = self._generation
             loop = asyncio.get_running_loop()
             snapshot, taken, page = await loop.run_in_executor(
                 self.pool, self._render, snapshot, variant)
+            if generation != self._generation:
+                return page  # invalidated meanwhile: this page is not kept
             if stale:
                 self._snapshot, self._taken, self._pages = snapshot, taken, {}
                 self.collections += 1
