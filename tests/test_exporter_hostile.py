@@ -424,3 +424,19 @@ def test_page_age_and_rate_come_from_the_environment(
         limits = server.endpoint.pages.max_age_s, server.endpoint.rate.rate
     assert limits == (2.5, ServerLimits().max_requests_per_s)
     assert [r.message for r in caplog.records if "KVMETRICS_SCRAPE_RATE" in r.message]
+
+
+@pytest.mark.parametrize("accept", [
+    "", "text/plain", "application/openmetrics-text",
+    "application/openmetrics-text; version=1.0.0",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "text/plain;version=0.0.4;q=0.4,*/*;q=0.1",
+    "application/openmetrics-text; version=2.0.0; escaping=dots",
+    "text/plain; version=1.0.0; escaping=values", "application/json, text/plain;version=1.0.0",
+])
+def test_valid_accept_headers_negotiate_as_prometheus_client_does(accept: str) -> None:
+    from prometheus_client.exposition import choose_encoder
+
+    from kvmetrics.exporters.pages import negotiate
+
+    assert negotiate(accept).content_type == choose_encoder(accept)[1]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from functools import partial
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client import exposition, openmetrics
+from prometheus_client import exposition
 from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import exposition as om_exposition
 from prometheus_client.registry import Collector
@@ -62,8 +62,8 @@ def _keywords(fn: Callable[..., bytes]) -> set[str]:
     return set(inspect.signature(fn).parameters)
 
 
-_ESCAPINGS = tuple(getattr(openmetrics, name) for name in
-                   ("UNDERSCORES", "ALLOWUTF8", "DOTS", "VALUES") if hasattr(openmetrics, name))
+_ESCAPINGS = tuple(getattr(om_exposition, name) for name in
+                   ("UNDERSCORES", "ALLOWUTF8", "DOTS", "VALUES") if hasattr(om_exposition, name))
 _OM_KEYWORDS = _keywords(om_exposition.generate_latest)
 _TEXT_KEYWORDS = _keywords(exposition.generate_latest)
 #: The plain text format, 0.0.4: what any other ``Accept`` gets.
