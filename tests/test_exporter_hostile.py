@@ -440,3 +440,24 @@ def test_valid_accept_headers_negotiate_as_prometheus_client_does(accept: str) -
     from kvmetrics.exporters.pages import negotiate
 
     assert negotiate(accept).content_type == choose_encoder(accept)[1]
+
+
+class _Broken(Collector):
+    def collect(self) -> Iterator[Metric]:
+        raise RuntimeError("collector broke")
+
+
+def test_a_failing_render_is_a_500_logged_once_not_per_request(
+        caplog: pytest.LogCaptureFixture) -> None:
+    registry = CollectorRegistry()
+    registry.register(_Broken())
+    server = serve(registry, port=0, limits=ServerLimits(page_max_age_s=0))
+    try:
+        for _ in range(5):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                _get(f"http://127.0.0.1:{server.port}/metrics")
+            assert e.value.code == 500
+    finally:
+        server.stop()
+    lines = [r for r in caplog.records if r.name == "kvmetrics.http"]
+    assert len(lines) == 1 and "collector broke" in lines[0].getMessage()

@@ -122,7 +122,7 @@ def start_endpoint(collector: Collector, host: str, port: int,
     loop = asyncio.SelectorEventLoop()
     pool = ThreadPoolExecutor(limits.render_threads, thread_name_prefix="kvmetrics-render")
     stats = _Stats()
-    errors = _ThrottledLog(60.0)
+    errors = _ThrottledLog(60.0, "rendering the metrics page")
 
     def render_failed(e: BaseException) -> None:
         stats.errors += 1
@@ -141,11 +141,11 @@ def start_endpoint(collector: Collector, host: str, port: int,
 
 
 class _ThrottledLog:
-    """One line per failure kind at most every ``every_s`` (a traceback only the first
-    time): a client that makes every render fail must not fill the engine's log."""
+    """One line at most every ``every_s`` (a traceback only the first time): a client
+    that makes every request fail must not fill the engine's log."""
 
-    def __init__(self, every_s: float) -> None:
-        self.every_s = every_s
+    def __init__(self, every_s: float, what: str) -> None:
+        self.every_s, self.what = every_s, what
         self._last = float("-inf")
         self._suppressed = 0
         self._first = True
@@ -157,8 +157,8 @@ class _ThrottledLog:
             return
         self._last, suppressed, self._suppressed = now, self._suppressed, 0
         more = f" ({suppressed} more since the last report)" if suppressed else ""
-        log.warning("kvmetrics: rendering the metrics page failed: %s: %s%s",
-                    type(e).__name__, str(e)[:200], more, exc_info=self._first)
+        log.warning("kvmetrics: %s failed: %s: %.200r%s", self.what, type(e).__name__,
+                    str(e), more, exc_info=self._first)
         self._first = False
 
 
@@ -177,6 +177,8 @@ class _Handler:
     pages: PageCache
     rate: RequestRate
     on_page: Callable[[], None] | None
+    failures: _ThrottledLog = field(
+        default_factory=lambda: _ThrottledLog(60.0, "a metrics endpoint connection"))
 
     async def accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -190,8 +192,7 @@ class _Handler:
                 continue
             except Exception as e:  # never let the endpoint stop accepting
                 self.stats.errors += 1
-                log.warning("kvmetrics: metrics endpoint accept failed: %s: %s",
-                            type(e).__name__, e)
+                self.failures.failed(e)
                 await asyncio.sleep(0.1)
                 continue
             sock.setblocking(False)
@@ -214,9 +215,9 @@ class _Handler:
         except (OSError, ssl.SSLError, asyncio.IncompleteReadError, ConnectionError,
                 asyncio.CancelledError):
             pass  # gone, failed its handshake, evicted or the endpoint stops
-        except Exception:
+        except Exception as e:
             self.stats.errors += 1
-            log.exception("kvmetrics: metrics endpoint connection failed")
+            self.failures.failed(e)
         finally:
             self.table.release(conn)
             if writer is None:
