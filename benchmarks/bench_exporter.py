@@ -21,7 +21,7 @@ from kvmetrics.engine.executor import SimulatedExecutor
 from kvmetrics.engine.loop import EngineLoop
 from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
 from kvmetrics.exporters import prometheus
-from kvmetrics.exporters.http import render_page
+from kvmetrics.exporters.pages import render_page
 from kvmetrics.exporters.prometheus import PrometheusSink
 from kvmetrics.lab import synthetic
 from kvmetrics.lab.engines import make_request

@@ -19,6 +19,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmetrics.exporters import multiprocess as mp
+from kvmetrics.exporters.admission import ServerLimits
 from kvmetrics.exporters.prometheus import serve
 from kvmetrics.metrics import catalogue as cat
 
@@ -270,7 +271,8 @@ def test_a_deleted_directory_fails_the_scrape_visibly(
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(mp.TolerantMultiProcessCollector(str(mpdir), lambda path: None))
-    server = serve(registry, port=0)
+    # Every scrape collects anew (no page cache), so each answer shows the directory now.
+    server = serve(registry, port=0, limits=ServerLimits(page_max_age_s=0))
     try:
         status, body = _get(server.port)
         assert status == 200 and b'kvmetrics_preemptions_total{engine="5"' in body

@@ -34,7 +34,6 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import mark_process_dead
 from prometheus_client.registry import Collector
 
-from kvmetrics.exporters.http import PageUnavailable
 from kvmetrics.exporters.mpfiles import (
     BadFile,
     Entry,
@@ -45,6 +44,7 @@ from kvmetrics.exporters.mpfiles import (
     parse_name,
     read_bytes,
 )
+from kvmetrics.exporters.pages import PageUnavailable
 
 log = logging.getLogger("kvmetrics.multiprocess")
 

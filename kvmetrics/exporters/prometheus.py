@@ -386,6 +386,11 @@ class MetricsServer:
         """Block until the endpoint has served a page; False after ``timeout`` seconds."""
         return self.scraped.wait(timeout)
 
+    def refresh(self) -> None:
+        """Serve the current values from the next scrape on, not a page cached up to
+        ``page_max_age_s`` ago (a run that finished shows its final totals at once)."""
+        self.endpoint.refresh()
+
     def stop(self) -> None:
         self.endpoint.stop()
 

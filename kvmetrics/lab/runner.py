@@ -238,6 +238,8 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
     if interrupt is not None:
         result.interrupted = int(getattr(interrupt, "signum", signal.SIGINT))
         summary["interrupted"] = signal.Signals(result.interrupted).name
+    if server is not None:
+        server.refresh()  # the final totals from now on, not a page cached before the end
     if on_finished is not None:
         on_finished(result)
     if interrupt is not None:

@@ -173,6 +173,10 @@ class VllmServer:
             "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
             "KVMETRICS_MODEL_NAME": "tiny",
+            # Tests read the page right after the event they caused; the endpoint's
+            # page cache (values up to 1 s old) has tests of its own
+            # (tests/test_exporter_hostile.py).
+            "KVMETRICS_SCRAPE_MAX_AGE_S": "0",
         })
         # Port 0: the EngineCore binds any free port and writes it to a file. A port
         # picked here beforehand could be taken by something else (one of vLLM's own
