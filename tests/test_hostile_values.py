@@ -1,0 +1,143 @@
+"""Hostile values (issue 28, cases 1, 17, 18): whatever an engine, a user or a file hands
+kvmetrics, the guard returns, log lines stay short single lines, derived label values
+never stop an engine, and text that reorders or hides what is shown (control bytes,
+U+202E) is shown escaped, by one rule, in logs, terminals and the report."""
+
+from __future__ import annotations
+
+import logging
+from decimal import Decimal
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvmetrics.metrics import catalogue as cat
+from kvmetrics.metrics.events import CounterIncrement, StepEvents
+from kvmetrics.metrics.guard import CounterViolationError, guard_increment
+from kvmetrics.metrics.pipeline import MetricsPipeline
+from kvmetrics.metrics.text import escape_for_display, short_repr
+
+SPEC = cat.PREFIX_CACHE_QUERY_TOKENS
+#: Longest log line the guard may write for one violation (about 1 KB; see guard.py).
+MAX_LINE = 1200
+
+
+class Unprintable:
+    """A label value whose repr and comparison both raise."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("no ==")
+
+    __hash__ = object.__hash__
+
+
+class Lying:
+    """A value whose repr spans lines and reverses what follows it."""
+
+    def __repr__(self) -> str:
+        return "ok\nkvmetrics: all clear\u202e"
+
+
+HOSTILE_LABELS = [None, (Unprintable(), "first"), ("x" * 10_000_000, "a\nb"),
+                  (Lying(), "first"), "local", 42, [("deep",) * 3] * 100_000]
+HOSTILE_AMOUNTS = [np.array([1, 2]), torch.tensor([1, 2]), Decimal("sNaN"),
+                   np.array([]), Unprintable(), Lying()]
+
+
+def _assert_one_safe_line(line: str) -> None:
+    assert len(line) <= MAX_LINE, len(line)
+    assert escape_for_display(line) == line, "an unescaped control or bidi character"
+
+
+@pytest.mark.parametrize("labels", HOSTILE_LABELS, ids=range(len(HOSTILE_LABELS)))
+@pytest.mark.parametrize("amount", [-1, 5])
+def test_the_guard_returns_whatever_the_labels(labels: object, amount: int) -> None:
+    inc = CounterIncrement(SPEC, amount, labels, "r\n" * 3_000_000)  # type: ignore[arg-type]
+    value, violation = guard_increment(inc, 3)
+    assert value != value and violation is not None  # refused: negative or bad labels
+    _assert_one_safe_line(violation.describe())
+
+
+@pytest.mark.parametrize("labels", HOSTILE_LABELS, ids=range(len(HOSTILE_LABELS)))
+def test_the_pipeline_counts_and_logs_one_bounded_line(
+        labels: object, caplog: pytest.LogCaptureFixture) -> None:
+    pipeline = MetricsPipeline()
+    with caplog.at_level(logging.ERROR, logger="kvmetrics.guard"):
+        pipeline.record(StepEvents(7, [
+            CounterIncrement(SPEC, -1, labels, "req\u202e-1"),  # type: ignore[arg-type]
+            CounterIncrement(cat.PREEMPTIONS, 1)]))
+    assert pipeline.totals.get(cat.PREEMPTIONS) == 1  # the rest of the step counts
+    assert pipeline.totals.get(cat.GUARD_REJECTED_INCREMENTS, metric=SPEC.name) == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvmetrics.guard"]
+    _assert_one_safe_line(line)
+    assert "request=req\\u202e-1" in line
+
+
+def test_a_negative_increment_names_its_labels_shortened() -> None:
+    inc = CounterIncrement(cat.ROLLED_BACK_TOKENS, -128, ("sync", "y" * 5000), "chat-1")
+    _, violation = guard_increment(inc, 4)
+    assert violation is not None
+    line = violation.describe()
+    assert line.startswith("refused negative increment of kvmetrics_rolled_back_tokens_total "
+                           "at step 4 request=chat-1: amount -128 labels {'mode': 'sync', "
+                           "'policy': 'yyyy")
+    _assert_one_safe_line(line)
+
+
+@pytest.mark.parametrize("amount", HOSTILE_AMOUNTS, ids=range(len(HOSTILE_AMOUNTS)))
+def test_step_events_count_anything_and_the_guard_refuses_it(
+        amount: object, caplog: pytest.LogCaptureFixture) -> None:
+    events = StepEvents(2)
+    events.count(SPEC, amount, "local", "first", request_id="r")  # type: ignore[arg-type]
+    pipeline = MetricsPipeline()
+    with caplog.at_level(logging.ERROR, logger="kvmetrics.guard"):
+        pipeline.record(events)
+    assert pipeline.totals.get(cat.GUARD_REJECTED_INCREMENTS, metric=SPEC.name,
+                               reason="not_a_number") == 1
+    assert pipeline.totals.get(SPEC) == 0
+    for record in caplog.records:
+        _assert_one_safe_line(record.getMessage())
+
+
+def test_strict_mode_raises_its_own_error_for_hostile_values() -> None:
+    pipeline = MetricsPipeline(strict=True)
+    events = StepEvents(2)
+    events.count(SPEC, np.array([1, 2]), "local", "first")  # type: ignore[arg-type]
+    with pytest.raises(CounterViolationError, match="refused not-a-number increment"):
+        pipeline.record(events)
+    with pytest.raises(CounterViolationError) as caught:
+        pipeline.record(StepEvents(3, [CounterIncrement(SPEC, -1, None)]))  # type: ignore
+    _assert_one_safe_line(str(caught.value))
+
+
+def test_a_garbage_increment_is_refused_not_raised() -> None:
+    pipeline = MetricsPipeline()
+    pipeline.record(StepEvents(1, [SimpleNamespace(), CounterIncrement(cat.PREEMPTIONS, 1)]))  # type: ignore[list-item]
+    assert pipeline.totals.get(cat.PREEMPTIONS) == 1
+    assert pipeline.violations[0].metric == "<unknown metric>"
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("plain model/Llama-3 é 😀 \\u", "plain model/Llama-3 é 😀 \\u"),
+    ("evil\u202egnp.exe", "evil\\u202egnp.exe"),
+    ("a\nb\rc\td", "a\\nb\\rc\\td"),
+    ("\x1b[31mred\x1b[0m", "\\x1b[31mred\\x1b[0m"),
+    ("\u2066\u2067\u2068\u2069\u202a\u202b\u202c\u202d\u200e\u200f\u061c",
+     "\\u2066\\u2067\\u2068\\u2069\\u202a\\u202b\\u202c\\u202d\\u200e\\u200f\\u061c"),
+    ("\u2028\u2029\x85\x7f\ud800", "\\u2028\\u2029\\x85\\x7f\\ud800"),
+])
+def test_one_escaping_rule(text: str, shown: str) -> None:
+    assert escape_for_display(text) == shown
+    assert escape_for_display(shown) == shown  # escaped text stays as it is
+
+
+def test_short_repr_is_bounded_single_line_and_never_raises() -> None:
+    assert short_repr("x" * 10_000_000) == repr("x" * 80)[:80] + "..."
+    assert short_repr(Unprintable()) == "<Unprintable>"
+    assert short_repr(Lying()) == "ok\\nkvmetrics: all clear\\u202e"
+    assert short_repr(10**5000) == "<int of 16610 bits>"
