@@ -16,6 +16,7 @@ import torch
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement, StepEvents
 from kvmetrics.metrics.guard import CounterViolationError, guard_increment
+from kvmetrics.metrics.labels import derived_label_value, label_value_problem, model_label
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from kvmetrics.metrics.text import escape_for_display, short_repr
 
@@ -141,3 +142,30 @@ def test_short_repr_is_bounded_single_line_and_never_raises() -> None:
     assert short_repr(Unprintable()) == "<Unprintable>"
     assert short_repr(Lying()) == "ok\\nkvmetrics: all clear\\u202e"
     assert short_repr(10**5000) == "<int of 16610 bits>"
+
+
+@pytest.mark.parametrize("value", [
+    "/root/.cache/huggingface/hub/models--o--n/snapshots/" + "a" * 200,
+    "/data/" + "x" * 300, "y" * 129, "evil\u202egnp", "a\nb", "caf\udce9", "", "/", None, 7,
+    "/" + "z" * 500 + "/", "\u202e" * 200,
+])
+def test_a_derived_label_value_is_always_valid_and_stable(value: object) -> None:
+    label = derived_label_value(value)
+    assert label_value_problem(label) is None, (label, label_value_problem(label))
+    assert derived_label_value(value) == label
+
+
+def test_long_derived_values_keep_their_tail_and_differ_by_hash() -> None:
+    a = derived_label_value("/data/" + "x" * 300 + "/run-1/checkpoint")
+    b = derived_label_value("/data/" + "X" * 300 + "/run-1/checkpoint")
+    assert a.startswith("...run-1/checkpoint~") and b.startswith("...run-1/checkpoint~")
+    assert a != b and len(a) == len("...run-1/checkpoint~") + 8
+    assert model_label(None, "/hub/models--gpt2/snapshots/abc") == "gpt2"
+    assert model_label("my-chat", "/hub/models--o--n/snapshots/abc") == "my-chat"
+
+
+def test_an_explicit_model_name_with_a_bidi_override_is_refused_by_the_lab() -> None:
+    from kvmetrics.lab.config import LabConfig, LabError
+
+    with pytest.raises(LabError, match=r"--model-name 'evil\\u202egnp' contains U\+202E"):
+        LabConfig(model_name="evil\u202egnp").validate()
