@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from decimal import Decimal
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -169,3 +170,33 @@ def test_an_explicit_model_name_with_a_bidi_override_is_refused_by_the_lab() -> 
 
     with pytest.raises(LabError, match=r"--model-name 'evil\\u202egnp' contains U\+202E"):
         LabConfig(model_name="evil\u202egnp").validate()
+
+
+def test_file_names_with_a_bidi_override_are_shown_escaped_in_the_terminal(
+        tmp_path: Path) -> None:
+    from tests.lab_support import run_cli
+
+    evil = tmp_path / "run\u202enosj.json"  # would read "run" + "json.son" reversed
+    result = run_cli("run", "--verify", "off", "--max-requests", "3", "--output", str(evil))
+    assert result.returncode == 0, result.stderr
+    assert evil.exists()
+    assert f"run written to {tmp_path}/run\\u202enosj.json" in result.stderr
+    missing = run_cli("report", str(tmp_path / "gone\u202e\n.json"))
+    assert missing.returncode == 2
+    (line,) = missing.stderr.splitlines()
+    assert "gone\\u202e\\n.json" in line and "\u202e" not in missing.stderr
+
+
+def test_the_terminal_summary_escapes_what_the_run_file_holds() -> None:
+    from kvmetrics.lab.summary import build_summary, render_table
+    from kvmetrics.metrics.totals import Totals
+
+    summary = build_summary(Totals(), engine="ref\u202eerence\x1b[2J[red]x",
+                            submitted=1, wall_seconds=0.1, steps=1)
+    summary["violations"] = [{
+        "kind": "guard_rejection", "metric": "m", "reason": "negative", "count": 1,
+        "first_step": 1, "first_request": "r\u202e1\n", "examples": ["a\x1b]0;title\x07"]}]
+    for rich in (False, True):
+        text = render_table(summary, rich=rich)
+        assert "\u202e" not in text and "\x07" not in text and "\x1b[2J" not in text
+        assert "ref\\u202eerence\\x1b[2J[red]x" in text and "a\\x1b]0;title\\x07" in text
