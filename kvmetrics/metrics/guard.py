@@ -100,29 +100,25 @@ def guard_increment(inc: CounterIncrement, step: int) -> tuple[float, Violation 
     label values, a value whose ``__repr__`` or ``==`` raises), this returns and never
     raises."""
     try:
-        return _guard(inc, step)
+        amount, reason = classify_amount(inc.amount)
+        if reason is None:
+            try:
+                reason = _label_problem(inc)
+            except Exception:  # a label value whose == raises (an array, say)
+                reason = "label values that cannot be compared"
+            if reason is not None:
+                return math.nan, Violation(inc.spec.name, "bad_labels", step,
+                                           f"labels {_values_text(inc.label_values)}: "
+                                           f"{reason}", inc.request_id)
+            return amount, None
+        detail = f"amount {short_repr(inc.amount)}"
+        if reason == "negative":
+            detail += f" labels {_labels_text(inc.spec.labels, inc.label_values)}"
+        return math.nan, Violation(inc.spec.name, reason, step, detail, inc.request_id)
     except Exception as e:  # a value no check foresaw: refused, never raised into the engine
         return math.nan, Violation(_metric_name(inc), "not_a_number", step,
                                    f"unusable increment ({type(e).__name__})",
-                                   getattr(inc, "request_id", None))
-
-
-def _guard(inc: CounterIncrement, step: int) -> tuple[float, Violation | None]:
-    amount, reason = classify_amount(inc.amount)
-    if reason is None:
-        try:
-            reason = _label_problem(inc)
-        except Exception:  # a label value whose == raises (an array, say)
-            reason = "label values that cannot be compared"
-        if reason is not None:
-            return math.nan, Violation(inc.spec.name, "bad_labels", step,
-                                       f"labels {_values_text(inc.label_values)}: {reason}",
-                                       inc.request_id)
-        return amount, None
-    detail = f"amount {short_repr(inc.amount)}"
-    if reason == "negative":
-        detail += f" labels {_labels_text(inc.spec.labels, inc.label_values)}"
-    return math.nan, Violation(inc.spec.name, reason, step, detail, inc.request_id)
+                                   _request_id(inc))
 
 
 def _labels_text(names: object, values: object) -> str:
@@ -143,6 +139,13 @@ def _values_text(values: object) -> str:
     if len(values) > MAX_VALUES:
         shown.append(f"... {len(values) - MAX_VALUES:,} more")
     return "(" + ", ".join(shown) + ("," if len(values) == 1 else "") + ")"
+
+
+def _request_id(inc: object) -> object:
+    try:
+        return inc.request_id  # type: ignore[attr-defined]
+    except Exception:
+        return None
 
 
 def _metric_name(inc: object) -> str:
