@@ -13,13 +13,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement, StepEvents
 from kvmetrics.metrics.guard import CounterViolationError, guard_increment
 from kvmetrics.metrics.labels import derived_label_value, label_value_problem, model_label
 from kvmetrics.metrics.pipeline import MetricsPipeline
-from kvmetrics.metrics.text import escape_for_display, short_repr
+from kvmetrics.metrics.text import escape_for_display, first_unsafe_for_display, short_repr
 
 SPEC = cat.PREFIX_CACHE_QUERY_TOKENS
 #: Longest log line the guard may write for one violation (about 1 KB; see guard.py).
@@ -200,3 +202,12 @@ def test_the_terminal_summary_escapes_what_the_run_file_holds() -> None:
         text = render_table(summary, rich=rich)
         assert "\u202e" not in text and "\x07" not in text and "\x1b[2J" not in text
         assert "ref\\u202eerence\\x1b[2J[red]x" in text and "a\\x1b]0;title\\x07" in text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(exclude_categories=()), max_size=400))
+def test_any_text_escaped_is_one_safe_line_and_any_derived_label_is_valid(text: str) -> None:
+    shown = escape_for_display(text)
+    assert first_unsafe_for_display(shown) is None and "\n" not in shown
+    shown.encode("utf-8")  # no lone surrogate left
+    assert label_value_problem(derived_label_value(text)) is None
