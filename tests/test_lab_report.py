@@ -205,3 +205,111 @@ def test_bucketing_keeps_sums_against_a_brute_force_count() -> None:
         assert usage == pytest.approx(sum((s % 10) / 10 for s in steps) / len(steps), abs=1e-4)
     assert [b - a for a, b in zip(data["last_step"], data["first_step"][1:],
                                   strict=False)] == [1] * (len(data["last_step"]) - 1)
+
+
+# -- hostile run files (issue 28, cases 7 and 18) ----------------------------------------
+
+#: Markup that would run, load or reorder something if any field reached the page raw.
+PAYLOAD = ("</p></div><script>document.body.setAttribute('data-pwned','1')</script>"
+           "<img src=x onerror=\"document.body.setAttribute('data-pwned','2')\">"
+           "\u202egnp.exe\x1b[31m\n")
+VIOLATION = {"kind": "guard_rejection", "metric": "kvmetrics_rolled_back_tokens_total",
+             "reason": "negative", "count": 2, "first_step": 7, "first_request": "r-1",
+             "examples": ["refused negative increment of kvmetrics_rolled_back_tokens_total "
+                          "at step 7 request=r-1: amount -128"]}
+
+
+def _with_violation(doc: dict) -> dict:
+    return json.loads(json.dumps({**doc, "violations": [VIOLATION]}))
+
+
+def _hostile_strings(value: object, key: str = "") -> object:
+    """Every text value replaced by PAYLOAD, but a violation's kind (an enumeration)."""
+    if isinstance(value, dict):
+        return {k: _hostile_strings(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hostile_strings(v, key) for v in value]
+    if isinstance(value, str) and key != "kind":
+        return PAYLOAD
+    return value
+
+
+@pytest.mark.parametrize("where", ["violations", "causes"])
+def test_a_script_where_a_number_belongs_is_refused_in_one_line(
+        stale_run: tuple[Path, Path, dict], tmp_path: Path, where: str) -> None:
+    _, _, doc = stale_run
+    doc = _with_violation(doc)
+    if where == "violations":
+        doc["violations"][0]["first_step"] = PAYLOAD
+        field = "violations[0].first_step"
+    else:
+        doc["findings"]["causes"][0]["first_step"] = PAYLOAD
+        field = "findings.causes[0].first_step"
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(doc))
+    result = run_cli("report", str(run), "-o", str(tmp_path / "run.html"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"kvmetrics: error: {run}: field {field!r} must be an integer >= 0"]
+    assert not (tmp_path / "run.html").exists()
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (lambda d: d["violations"][0]["examples"].append(3), "violations[0].examples[1]"),
+    (lambda d: d["violations"][0].update(kind="other"), "violations[0].kind"),
+    (lambda d: d["findings"]["causes"][0].update(known="yes"), "findings.causes[0].known"),
+    (lambda d: d["timeline"]["counters"].update(x=["1"]), "timeline.counters.x[0]"),
+    (lambda d: d["config"].update(seed="7"), "config.seed"),
+    (lambda d: d["prefix_cache"]["local"].update(hit_ratio=float("nan")),
+     "prefix_cache.local.hit_ratio"),
+    (lambda d: d["requests"].update(submitted=10**5000), "requests.submitted"),
+])
+def test_every_field_of_the_run_file_is_type_checked(
+        stale_run: tuple[Path, Path, dict], change: object, field: str) -> None:
+    from kvmetrics.lab.report import ReportInputError, render_report
+
+    doc = _with_violation(stale_run[2])
+    change(doc)  # type: ignore[operator]
+    with pytest.raises(ReportInputError, match=re.escape(repr(field))):
+        render_report(doc)
+
+
+def test_every_text_field_reaches_the_page_escaped(stale_run: tuple[Path, Path, dict],
+                                                   tmp_path: Path) -> None:
+    doc = _hostile_strings(_with_violation(stale_run[2]))
+    assert isinstance(doc, dict)
+    doc["config"]["an_unknown_setting"] = PAYLOAD  # a later version's field: shown as text
+    run, page = tmp_path / "run.json", tmp_path / "run.html"
+    run.write_text(json.dumps(doc))
+    result = run_cli("report", str(run), "-o", str(page))
+    assert result.returncode == 0, result.stderr
+    text = page.read_text()
+    assert "<script" not in text and "<img" not in text
+    assert "\u202e" not in text and "\x1b" not in text  # shown as \u202e, \x1b
+    shown = ("&lt;/p&gt;&lt;/div&gt;&lt;script&gt;document.body.setAttribute(&#x27;"
+             "data-pwned&#x27;,&#x27;1&#x27;)&lt;/script&gt;")
+    assert text.count(shown) >= 8 and "\\u202egnp.exe\\x1b[31m\\n" in text
+    dom = browse(page, tmp_path / "profile", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-3000:]
+    assert "data-pwned=" not in dom.stdout and "<script" not in dom.stdout
+    assert "<img" not in dom.stdout
+    cards = len(doc["findings"]["causes"]) + 1  # each cause and the violation: intact
+    assert len(re.findall(r'<div class="card[ "]', dom.stdout)) == cards
+
+
+def test_the_report_builds_its_html_only_through_the_escaping_helper() -> None:
+    """No f-string or concatenation in report.py makes markup: a field added later goes
+    through markup.html(), which escapes it, or it does not reach the page."""
+    import ast
+
+    import kvmetrics.lab.report as report
+
+    tree = ast.parse(Path(report.__file__).read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            literal = "".join(v.value for v in node.values if isinstance(v, ast.Constant))
+            assert "<" not in literal, f"line {node.lineno}: markup in an f-string"
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mod):
+            for side in (node.left, node.right):
+                assert not (isinstance(side, ast.Constant) and "<" in str(side.value)), \
+                    f"line {node.lineno}: markup built by + or %"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import urllib.request
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -123,6 +124,56 @@ def test_settings_defaults_env_and_additional_config(monkeypatch: pytest.MonkeyP
     # A shared multiprocess directory: no endpoint of our own unless asked for.
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")
     assert settings_for(_vllm_config(), env={}).metrics_addr is None
+
+
+def test_a_long_model_path_starts_the_engine_labelled_by_its_repository(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 28, case 1: no KVMETRICS_MODEL_NAME, and vLLM serving a Hugging Face snapshot
+    (its served model name is then the path, here 200+ characters): the scheduler starts,
+    and the label is the repository id, as `vllm serve ORG/NAME` would have it."""
+    snapshot = (tmp_path / "huggingface" / "hub" / ("models--acme-research--" + "m" * 60)
+                / "snapshots" / ("0e9e39f249a16976918f6564b8830bc894c89659" * 2))
+    snapshot.mkdir(parents=True)
+    real = builder.model_dir(2048)
+    (snapshot / "config.json").write_text(Path(real, "config.json").read_text())
+    monkeypatch.setattr(builder, "model_dir", lambda _length: str(snapshot))
+    monkeypatch.delenv("KVMETRICS_MODEL_NAME", raising=False)
+    assert len(str(snapshot)) > 200
+    engine = failing_engine({"metrics_addr": "127.0.0.1:0"})
+    try:
+        engine.run()
+        port = engine.scheduler.kvmetrics_exporter.server.port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    finally:
+        engine.close()
+    assert f'model_name="acme-research/{"m" * 60}"' in text
+    assert 'kvmetrics_rolled_back_tokens_total{engine="0",mode="sync"' in text
+
+
+def test_a_long_path_outside_the_hub_is_shortened_with_a_hash() -> None:
+    path = "/mnt/" + "checkpoints/" * 12 + "run-42/step-12000"
+    config = _vllm_config()
+    config.model_config = SimpleNamespace(served_model_name=[path], model=path)
+    name = settings_for(config, env={}).model_name
+    assert len(name) <= 128 and name.startswith("...") and "/run-42/step-12000~" in name
+    assert settings_for(config, env={}).model_name == name  # stable
+    config.model_config = SimpleNamespace(served_model_name="chat\u202emodel", model=path)
+    assert settings_for(config, env={}).model_name == "chat\\u202emodel"
+
+
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"KVMETRICS_MODEL_NAME": "m" * 200}, "is 200 characters long (at most 128)"),
+    ({"KVMETRICS_MODEL_NAME": "evil\u202egnp"}, "contains U+202E"),
+    ({"KVMETRICS_ENGINE": "e\n1"}, "contains U+000A"),
+])
+def test_an_explicit_unusable_label_value_still_refuses_the_start(
+        env: dict, needle: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError) as caught:
+        failing_engine({"metrics_addr": "127.0.0.1:0"})
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_metric_faults_never_reach_vllm() -> None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvmetrics.metrics.text import escape_for_display
+
 EXIT_USAGE = 2
 #: An error line never grows past this (a hostile file must not make a 50 MB line).
 MAX_ERROR_CHARS = 400
@@ -100,8 +102,9 @@ def choice_list(allowed: Callable[[], Iterable[str]], what: str) -> Callable[[st
 
 
 def one_line(message: str) -> str:
-    """A message as one bounded line: newlines escaped, the middle cut if too long."""
-    text = message.replace("\r", "\\r").replace("\n", "\\n")
+    """A message as one bounded line: line feeds, other control bytes and bidi overrides
+    escaped (the one rule of :func:`escape_for_display`), the middle cut if too long."""
+    text = escape_for_display(message)
     if len(text) > MAX_ERROR_CHARS:
         half = MAX_ERROR_CHARS // 2
         text = f"{text[:half]} ... {text[-half:]}"
@@ -236,4 +239,4 @@ def interruptible() -> Iterator[None]:
 
 def say(message: str) -> None:
     """A line of narration on stderr: what the command is doing or has done."""
-    print(f"kvmetrics: {message}", file=sys.stderr, flush=True)
+    print(f"kvmetrics: {escape_for_display(message)}", file=sys.stderr, flush=True)

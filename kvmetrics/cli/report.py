@@ -13,6 +13,7 @@ from kvmetrics.cli.common import (
     read_json_file,
     write_atomically,
 )
+from kvmetrics.metrics.text import escape_for_display
 
 
 def _add(p: argparse.ArgumentParser) -> None:
@@ -39,7 +40,7 @@ def _run(args: argparse.Namespace) -> int:
     except ReportUnavailable as e:
         return fail(str(e))
     write_atomically(target, page)
-    print(target)
+    print(escape_for_display(target))
     return 0
 
 

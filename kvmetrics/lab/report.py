@@ -12,7 +12,6 @@ guarded increments the exporters saw.
 from __future__ import annotations
 
 import bisect
-import html
 import io
 import math
 import re
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvmetrics import __version__
+from kvmetrics.lab.markup import Markup, html, join
+from kvmetrics.lab.run_schema import RunDocumentError, check_run_document
 from kvmetrics.lab.summary import summary_rows
 
 #: Series colours; the browser test looks for them in the rendered page.
@@ -294,39 +295,6 @@ def _interp(x: Any, xs: list[float], ys: list[float]) -> Any:
     return out
 
 
-def _summary_template() -> dict[str, Any]:
-    """A summary as a run writes it (of no events): the types every field must have."""
-    from kvmetrics.lab.summary import build_summary
-    from kvmetrics.metrics.totals import Totals
-
-    template = build_summary(Totals(), engine="x", submitted=0, wall_seconds=0.0, steps=0)
-    template["findings"] = {"failed_blocks": 0, "requests": 0, "blocks": 0, "causes": []}
-    template["violations"] = []
-    template["config"] = {}
-    return template
-
-
-def _check_shape(value: Any, template: Any, where: str) -> None:
-    """Refuse a document whose fields have other types than a run writes (an edited or
-    foreign file), naming the field, instead of failing somewhere in the drawing."""
-    if isinstance(template, dict):
-        if not isinstance(value, dict):
-            raise ReportInputError(f"field {where or 'document'!r} must be an object")
-        for key, inner in template.items():
-            if key in value:
-                _check_shape(value[key], inner, f"{where}.{key}" if where else key)
-    elif isinstance(template, list):
-        if not isinstance(value, list):
-            raise ReportInputError(f"field {where!r} must be a list")
-    elif isinstance(template, bool | str):
-        if not isinstance(value, type(template)):
-            raise ReportInputError(f"field {where!r} must be a {type(template).__name__}")
-    elif isinstance(template, int | float) and (
-            isinstance(value, bool) or not isinstance(value, int | float)
-            or not math.isfinite(value)):
-            raise ReportInputError(f"field {where!r} must be a number")
-
-
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:24px auto;max-width:1320px;color:#222;
 padding:0 16px}
@@ -357,10 +325,9 @@ code{font:12.5px ui-monospace,monospace;background:#f4f4f4;padding:1px 4px;borde
 """
 
 
-def _table(rows: Sequence[tuple[str, Any]]) -> str:
-    body = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
-                   for k, v in rows)
-    return f"<table>{body}</table>"
+def _table(rows: Sequence[tuple[str, Any]]) -> Markup:
+    body = join(html("<tr><th>{}</th><td>{}</td></tr>", k, _fmt(v)) for k, v in rows)
+    return html("<table>{}</table>", body)
 
 
 def _fmt(value: Any) -> str:
@@ -376,15 +343,20 @@ def docs_base() -> str:
     return here.as_uri() + "/" if (here / "lab.md").is_file() else "docs/"
 
 
-def _link(target: str, text: str, base: str) -> str:
+#: A docs reference a run writes (``docs/vllm-defects.md#anchor``); anything else, from
+#: an edited file, is shown as text, never made a link.
+_DOCS_TARGET = re.compile(r"docs/[\w.-]+\.md(?:#[\w-]+)?")
+
+
+def _link(target: str, text: str, base: str) -> Markup:
     """A docs reference such as ``docs/vllm-defects.md#anchor`` as a real link."""
     path = target.split(" ", 1)[0]
-    if path.startswith("docs/"):
-        return f'<a href="{html.escape(base + path[len("docs/"):])}">{html.escape(text)}</a>'
-    return f"<code>{html.escape(target)}</code>"
+    if _DOCS_TARGET.fullmatch(path):
+        return html('<a href="{}">{}</a>', base + path[len("docs/"):], text)
+    return html("<code>{}</code>", target)
 
 
-def _tiles(doc: dict[str, Any]) -> str:
+def _tiles(doc: dict[str, Any]) -> Markup:
     r, k = doc["requests"], doc["kv_load"]
     loads = k["blocks_ok"] + k["blocks_failed"]
     share = k["blocks_failed"] / loads if loads else 0.0
@@ -403,51 +375,55 @@ def _tiles(doc: dict[str, Any]) -> str:
          "stale KV block reads (verifier)" if verified else "stale reads: run with --verify",
          "bad" if stale else ("good" if verified else "")),
     ]
-    return '<div class="tiles">' + "".join(
-        f'<div class="tile {cls}"><div class="v">{html.escape(v)}</div>'
-        f'<div class="l">{html.escape(label)}</div></div>' for v, label, cls in tiles) + "</div>"
+    return html('<div class="tiles">{}</div>', join(
+        html('<div class="tile {}"><div class="v">{}</div><div class="l">{}</div></div>',
+             cls, v, label) for v, label, cls in tiles))
 
 
-def _cards(doc: dict[str, Any], base: str) -> str:
-    cards = []
+def _cause_card(c: dict[str, Any], base: str) -> Markup:
+    links = []
+    if c.get("docs"):
+        links.append(html("why: {}", _link(c["docs"], c["docs"].split("#")[-1], base)))
+    if c.get("avoid"):
+        links.append(html("avoid it with {}", _link("docs/lab.md#the-command-line",
+                                                    c["avoid"], base)))
+    return html(
+        '<div class="card" data-cause="{cause}"><h4>Stale KV: {title}{unknown}</h4>'
+        '<div class="n">{failed:,} block reads by {requests:,} request(s) in {blocks:,} '
+        "block(s), from step {first}</div><p>{explanation}</p>"
+        '<p class="eg">e.g. {example}</p><p>{links}</p></div>',
+        cause=c["cause"], title=c["cause"].replace("_", " "),
+        unknown="" if c["known"] else " (cause unknown)", failed=c["failed_blocks"],
+        requests=c["requests"], blocks=c["blocks"], first=_fmt(c["first_step"]),
+        explanation=c["explanation"], example=c["example"],
+        links=join(links, " &middot; "))
+
+
+def _violation_card(v: dict[str, Any], base: str) -> Markup:
+    if v["kind"] == "invariant":
+        what = f"invariant {v['invariant']} broken ({v['metric']})"
+    else:
+        what = f"{v['reason'].replace('_', '-')} increments of {v['metric']} rejected"
+    who = html(", first request {}", v["first_request"]) if v["first_request"] else ""
+    return html(
+        '<div class="card violation"><h4>{what}</h4><div class="n">{count:,} time(s), '
+        'first at step {first}{who}</div><p class="eg">e.g. {example}</p><p>{docs}</p>'
+        "</div>", what=what, count=v["count"], first=v["first_step"], who=who,
+        example=v["examples"][0] if v["examples"] else "",
+        docs=_link("docs/metrics.md", "what the guard and the invariants check", base))
+
+
+def _cards(doc: dict[str, Any], base: str) -> Markup:
     findings = doc.get("findings") or {}
-    for c in findings.get("causes") or ():
-        title = c["cause"].replace("_", " ")
-        links = []
-        if c.get("docs"):
-            links.append("why: " + _link(c["docs"], c["docs"].split("#")[-1], base))
-        if c.get("avoid"):
-            links.append("avoid it with " + _link("docs/lab.md#the-command-line", c["avoid"],
-                                                  base))
-        cards.append(
-            f'<div class="card" data-cause="{html.escape(c["cause"])}"><h4>Stale KV: '
-            f'{html.escape(title)}{"" if c["known"] else " (cause unknown)"}</h4>'
-            f'<div class="n">{c["failed_blocks"]:,} block reads by {c["requests"]:,} '
-            f'request(s) in {c["blocks"]:,} block(s), from step {c["first_step"]}</div>'
-            f'<p>{html.escape(str(c["explanation"]))}</p>'
-            f'<p class="eg">e.g. {html.escape(str(c["example"]))}</p>'
-            f'<p>{" &middot; ".join(links)}</p></div>')
-    for v in doc.get("violations") or ():
-        if v["kind"] == "invariant":
-            what = f"invariant {v['invariant']} broken ({v['metric']})"
-        else:
-            what = f"{v['reason'].replace('_', '-')} increments of {v['metric']} rejected"
-        example = v["examples"][0] if v.get("examples") else ""
-        who = (f", first request {html.escape(str(v['first_request']))}"
-               if v["first_request"] else "")
-        cards.append(
-            f'<div class="card violation"><h4>{html.escape(what)}</h4>'
-            f'<div class="n">{v["count"]:,} time(s), first at step {v["first_step"]}{who}'
-            f'</div><p class="eg">e.g. {html.escape(str(example))}</p>'
-            f'<p>{_link("docs/metrics.md", "what the guard and the invariants check", base)}'
-            f"</p></div>")
+    cards = [_cause_card(c, base) for c in findings.get("causes") or ()]
+    cards += [_violation_card(v, base) for v in doc.get("violations") or ()]
     if not cards:
-        return ('<div class="clean">No stale KV read, no guard rejection, no invariant '
-                "violation.</div>")
-    return '<div class="cards">' + "".join(cards) + "</div>"
+        return Markup('<div class="clean">No stale KV read, no guard rejection, no invariant '
+                      "violation.</div>")
+    return html('<div class="cards">{}</div>', join(cards))
 
 
-def _config(config: dict[str, Any]) -> str:
+def _config(config: dict[str, Any]) -> Markup:
     from kvmetrics.lab.config import LabConfig
     from kvmetrics.lab.replay import RUN_OPTIONS, run_command
 
@@ -459,25 +435,21 @@ def _config(config: dict[str, Any]) -> str:
     other = sorted((k, v) for k, v in config.items() if k not in known)
     if other:
         groups["other"] = other
-    parts = [f"<div><h3>{html.escape(name)}</h3>{_table(rows)}</div>"
-             for name, rows in groups.items()]
+    parts = join(html("<div><h3>{}</h3>{}</div>", name, _table(rows))
+                 for name, rows in groups.items())
     fields = {k: v for k, v in config.items() if k in LabConfig.__dataclass_fields__}
     replay = run_command(LabConfig(**fields))
-    head = (f'<p>Replay it: <code class="replay">{html.escape(replay)}</code></p>'
-            if replay else "")
-    return head + '<div class="config">' + "".join(parts) + "</div>"
+    head = html('<p>Replay it: <code class="replay">{}</code></p>', replay) if replay else ""
+    return html('{}<div class="config">{}</div>', head, parts)
 
 
 def render_report(document: dict[str, Any], docs: str | None = None) -> str:
     """The HTML page for one run document (see :meth:`LabResult.document`). ``docs``:
     where documentation links point (default: :func:`docs_base`)."""
-    if not isinstance(document, dict) or "timeline" not in document:
-        raise ReportInputError("the run document has no timeline (write it with "
-                               "`kvmetrics run --output RUN.json`)")
-    for key in ("engine", "requests", "steps", "verification"):
-        if key not in document:
-            raise ReportInputError(f"the run document has no {key!r} field")
-    _check_shape(document, _summary_template(), "")
+    try:
+        check_run_document(document)
+    except RunDocumentError as e:
+        raise ReportInputError(str(e)) from None
     tl = _Timeline(document["timeline"])
     base = docs or docs_base()
     try:
@@ -490,24 +462,24 @@ def render_report(document: dict[str, Any], docs: str | None = None) -> str:
     spans = tl.spans("verification_failed_blocks")
     figures = []
     for i, chart in enumerate(c for c in _charts(tl) if tl.moved(*c.series)):
-        svg = _draw(plt, chart, tl, spans, f"c{i}-")
-        figures.append(f'<figure class="chart" data-chart="{i}">{svg}'
-                       f"<figcaption>{html.escape(tl.per)}"
-                       f"{'; red bands: steps with stale KV reads' if spans else ''}"
-                       f"</figcaption></figure>")
+        svg = Markup(_draw(plt, chart, tl, spans, f"c{i}-"))  # matplotlib escapes its text
+        figures.append(html('<figure class="chart" data-chart="{}">{}<figcaption>{}{}'
+                            "</figcaption></figure>", i, svg, tl.per,
+                            "; red bands: steps with stale KV reads" if spans else ""))
     r = document["requests"]
     interrupted = document.get("interrupted")
-    meta = (f"engine {html.escape(str(document['engine']))} &middot; {r['submitted']:,} "
-            f"requests &middot; {document['steps']:,} steps &middot; "
-            f"{document.get('wall_seconds', 0):.2f} s &middot; kvmetrics "
-            f"{html.escape(__version__)}"
-            + (f" &middot; <b>interrupted ({html.escape(str(interrupted))}): partial run</b>"
-               if interrupted else ""))
+    meta = html("engine {engine} &middot; {submitted:,} requests &middot; {steps:,} steps "
+                "&middot; {wall:.2f} s &middot; kvmetrics {version}{cut}",
+                engine=document["engine"], submitted=r["submitted"], steps=document["steps"],
+                wall=document.get("wall_seconds", 0), version=__version__,
+                cut=html(" &middot; <b>interrupted ({}): partial run</b>", interrupted)
+                if interrupted else "")
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        "<title>kvmetrics run report</title>", f"<style>{CSS}</style></head><body>",
-        "<h1>kvmetrics run report</h1>", f'<p class="meta">{meta}</p>',
+        "<title>kvmetrics run report</title>",
+        html("<style>{}</style></head><body>", Markup(CSS)),
+        "<h1>kvmetrics run report</h1>", html('<p class="meta">{}</p>', meta),
         tiles,
         '<h2 id="findings">Findings</h2>', cards,
         '<h2 id="charts">Over the run</h2>', '<div class="grid">', *figures, "</div>",

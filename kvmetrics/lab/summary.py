@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmetrics.metrics import catalogue as cat
+from kvmetrics.metrics.text import escape_for_display
 from kvmetrics.metrics.totals import Totals
 
 
@@ -121,8 +122,10 @@ def explanation_lines(summary: dict[str, Any]) -> list[str]:
 def render_table(summary: dict[str, Any], rich: bool = False) -> str:
     """A compact human table of the summary (the JSON form has every field), then what
     the findings and violations mean. ``rich``: box-drawn, for a terminal."""
-    rows = summary_rows(summary)
-    notes = explanation_lines(summary)
+    # A run file's text (an engine name, a request id) is shown by the one escaping rule:
+    # no control byte or bidi override reaches the terminal.
+    rows = [(name, escape_for_display(str(value))) for name, value in summary_rows(summary)]
+    notes = [escape_for_display(line) for line in explanation_lines(summary)]
     if rich:
         return _rich_table(rows, notes)
     width = max(len(name) for name, _ in rows)
@@ -133,12 +136,13 @@ def render_table(summary: dict[str, Any], rich: bool = False) -> str:
 def _rich_table(rows: list[tuple[str, str]], notes: list[str]) -> str:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
     table.add_column(style="bold")
     table.add_column()
     for name, value in rows:
-        table.add_row(name, value)
+        table.add_row(name, Text(value))  # Text: a "[red]" in a value is not markup
     console = Console(record=True, width=120, force_terminal=True)
     with console.capture() as capture:
         console.print(table)

@@ -95,9 +95,15 @@ class StepEvents:
         *label_values: str,
         request_id: str | None = None,
     ) -> None:
-        """Record an increment; zero amounts are dropped to keep the list short."""
-        if amount == 0:
-            return
+        """Record an increment; zero amounts are dropped to keep the list short.
+
+        Never raises: an amount that cannot even be compared with zero (an array, a
+        signalling ``Decimal``) is recorded as it is, for the guard to refuse and count."""
+        try:
+            if amount == 0:
+                return
+        except Exception:
+            pass
         self.increments.append(CounterIncrement(spec, amount, label_values, request_id))
 
     def prefix_lookup(

@@ -19,9 +19,19 @@ from dataclasses import dataclass
 
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement
-from kvmetrics.metrics.text import short_repr
+from kvmetrics.metrics.text import short_repr, short_text
 
 log = logging.getLogger("kvmetrics.guard")
+
+
+#: Longest request id and detail a violation keeps (escaped; the rest is cut, marked
+#: with ``...``): a log line stays under about 1 KB whatever the engine passed.
+MAX_ID_CHARS = 200
+MAX_DETAIL_CHARS = 600
+#: Longest shown label value or amount (each) in a violation's detail.
+MAX_VALUE_CHARS = 80
+#: Most label values shown in a violation's detail (a family has at most a few labels).
+MAX_VALUES = 8
 
 
 class CounterViolationError(RuntimeError):
@@ -48,6 +58,13 @@ class Violation:
     detail: str
     request_id: str | None = None
     invariant: str | None = None
+
+    def __post_init__(self) -> None:
+        # Whoever made it, a violation is fit for one log line: an engine's request id
+        # or a detail may be megabytes long, hold line feeds, or not be text at all.
+        if self.request_id is not None:
+            object.__setattr__(self, "request_id", short_text(self.request_id, MAX_ID_CHARS))
+        object.__setattr__(self, "detail", short_text(self.detail, MAX_DETAIL_CHARS))
 
     @property
     def is_rejection(self) -> bool:
@@ -79,24 +96,64 @@ def check_increment(inc: CounterIncrement, step: int) -> Violation | None:
 
 def guard_increment(inc: CounterIncrement, step: int) -> tuple[float, Violation | None]:
     """``(amount as a float, None)`` for an increment safe to apply, else ``(nan, the
-    violation)``. Total: whatever ``inc.amount`` and ``inc.label_values`` hold, this
-    returns and never raises."""
-    amount, reason = classify_amount(inc.amount)
-    if reason is None:
-        try:
-            reason = _label_problem(inc)
-        except Exception:  # a label value whose == raises (an array, say)
-            reason = "label values that cannot be compared"
-        if reason is not None:
-            return math.nan, Violation(inc.spec.name, "bad_labels", step,
-                                       f"labels {short_repr(inc.label_values)}: {reason}",
-                                       inc.request_id)
-        return amount, None
-    detail = f"amount {short_repr(inc.amount)}"
-    if reason == "negative":
-        labels = dict(zip(inc.spec.labels, inc.label_values, strict=False))
-        detail += f" labels {labels}"
-    return math.nan, Violation(inc.spec.name, reason, step, detail, inc.request_id)
+    violation)``. Total: whatever ``inc`` holds (an array for an amount, ``None`` for the
+    label values, a value whose ``__repr__`` or ``==`` raises), this returns and never
+    raises."""
+    try:
+        amount, reason = classify_amount(inc.amount)
+        if reason is None:
+            try:
+                reason = _label_problem(inc)
+            except Exception:  # a label value whose == raises (an array, say)
+                reason = "label values that cannot be compared"
+            if reason is not None:
+                return math.nan, Violation(inc.spec.name, "bad_labels", step,
+                                           f"labels {_values_text(inc.label_values)}: "
+                                           f"{reason}", inc.request_id)
+            return amount, None
+        detail = f"amount {short_repr(inc.amount)}"
+        if reason == "negative":
+            detail += f" labels {_labels_text(inc.spec.labels, inc.label_values)}"
+        return math.nan, Violation(inc.spec.name, reason, step, detail, inc.request_id)
+    except Exception as e:  # a value no check foresaw: refused, never raised into the engine
+        return math.nan, Violation(_metric_name(inc), "not_a_number", step,
+                                   f"unusable increment ({type(e).__name__})",
+                                   _request_id(inc))
+
+
+def _labels_text(names: object, values: object) -> str:
+    """``{'name': 'value', ...}`` with each value bounded and escaped; the values' own
+    (bounded) repr when they are not a sequence of values (``None``, say)."""
+    if not isinstance(values, tuple | list) or not isinstance(names, dict | tuple | list):
+        return short_repr(values, MAX_VALUE_CHARS)
+    pairs = [f"{short_repr(n, MAX_VALUE_CHARS)}: {short_repr(v, MAX_VALUE_CHARS)}"
+             for n, v in zip(names, values[:MAX_VALUES], strict=False)]
+    return "{" + ", ".join(pairs) + "}"
+
+
+def _values_text(values: object) -> str:
+    """``('a', 'b')`` with each value bounded and escaped, at most MAX_VALUES of them."""
+    if not isinstance(values, tuple | list):
+        return short_repr(values, MAX_VALUE_CHARS)
+    shown = [short_repr(v, MAX_VALUE_CHARS) for v in values[:MAX_VALUES]]
+    if len(values) > MAX_VALUES:
+        shown.append(f"... {len(values) - MAX_VALUES:,} more")
+    return "(" + ", ".join(shown) + ("," if len(values) == 1 else "") + ")"
+
+
+def _request_id(inc: object) -> object:
+    try:
+        return inc.request_id  # type: ignore[attr-defined]
+    except Exception:
+        return None
+
+
+def _metric_name(inc: object) -> str:
+    try:
+        name = inc.spec.name  # type: ignore[attr-defined]
+    except Exception:
+        name = None
+    return name if isinstance(name, str) else "<unknown metric>"
 
 
 def classify_amount(amount: object) -> tuple[float, str | None]:

@@ -1,23 +1,86 @@
-"""Text from untrusted values, made safe for one error or log line.
+"""Text from untrusted values, made safe for one error or log line, a terminal or a page.
 
 Shared by every layer that reads user input (fault plans, traces, label values) or
 reports a refused value (the guard): a value may be a 400-digit number, a megabyte of
-JSON, or a string JSON could spell but UTF-8 cannot hold.
+JSON, a string JSON could spell but UTF-8 cannot hold, or a name that holds a line
+feed, an escape sequence or a right-to-left override (U+202E) that makes the text
+around it read as something else.
+
+:func:`escape_for_display` is the one escaping rule for text a person reads: the HTML
+report, the terminal and the logs all use it, so a value looks the same in each and
+none of them can be spoofed by it.
 """
 
 from __future__ import annotations
 
+import re
+
+#: Characters that move or hide the text around them: C0/C1 controls (line feeds,
+#: ESC sequences), the line and paragraph separators, the bidirectional marks,
+#: embeddings, overrides and isolates (U+061C, U+200E/F, U+202A-U+202E, U+2066-U+2069),
+#: and lone surrogates (no UTF-8 output can hold them).
+_UNSAFE_FOR_DISPLAY = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+    "\ud800-\udfff]")
+_SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    short = _SHORT_ESCAPES.get(char)
+    if short is not None:
+        return short
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape_for_display(text: str) -> str:
+    """``text`` with every character that could hide or reorder what is shown spelt as
+    a Python-style escape (a line feed as ``\\n``, ESC as ``\\x1b``, U+202E as
+    ``\\u202e``); all other text, including any script, accents and emoji, is unchanged.
+    The result is one line and valid UTF-8. Backslashes are kept as they are: the rule
+    is there against spoofing, not to make every string reversible."""
+    if _UNSAFE_FOR_DISPLAY.search(text) is None:
+        return text
+    return _UNSAFE_FOR_DISPLAY.sub(_escaped, text)
+
+
+def first_unsafe_for_display(text: str) -> str | None:
+    """The first character :func:`escape_for_display` would escape, or None."""
+    match = _UNSAFE_FOR_DISPLAY.search(text)
+    return None if match is None else match.group()
+
 
 def short_repr(value: object, limit: int = 80) -> str:
-    """A repr fit for a log line, whatever the value: Python refuses to spell an int of
-    more than 4300 digits, and a value's own ``__repr__`` may raise."""
+    """A repr fit for a log line, whatever the value: bounded to about ``limit``
+    characters, one line with nothing that can reorder it (a value's own ``__repr__``
+    may return line feeds or a U+202E), and never raising (Python refuses to spell an
+    int of more than 4300 digits, and a value's own ``__repr__`` may raise)."""
     try:
+        if isinstance(value, str | bytes) and len(value) > limit:
+            value = value[:limit + 1]  # a megabyte string is not copied to be cut again
         text = repr(value)
+        if not isinstance(text, str):
+            raise TypeError("__repr__ returned a non-string")
     except Exception:
         if isinstance(value, int):
             return f"<int of {value.bit_length()} bits>"
-        text = f"<{type(value).__name__}>"
+        try:
+            text = f"<{type(value).__name__}>"
+        except Exception:
+            text = "<unrepresentable value>"
+    text = escape_for_display(text[:limit + 1])
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def short_text(value: object, limit: int = 200) -> str:
+    """A value that is meant to be text (a request id, a label value), for a log line:
+    a string is shown as it is (escaped, bounded), anything else as :func:`short_repr`."""
+    if type(value) is str:
+        if len(value) <= limit:
+            return escape_for_display(value)
+        return escape_for_display(value[:limit]) + "..."
+    return short_repr(value, limit)
 
 
 def utf8_encodable(text: str) -> bool:

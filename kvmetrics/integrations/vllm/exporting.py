@@ -12,7 +12,8 @@ KVMETRICS_METRICS_ADDR      metrics_addr        HOST:PORT to serve (default
                                                 127.0.0.1:9401; ``off`` disables;
                                                 data-parallel rank r serves PORT+r)
 KVMETRICS_MODEL_NAME        model_name          ``model_name`` label (default: the
-                                                served model name)
+                                                served model name, made a valid
+                                                label: see below)
 KVMETRICS_ENGINE            engine              ``engine`` label (default: the
                                                 data-parallel index)
 KVMETRICS_STRICT            strict              raise on counter violations (tests)
@@ -33,8 +34,15 @@ KVMETRICS_METRICS_PORT_FILE -                   write the port bound there (for
 An unknown key under ``additional_config["kvmetrics"]`` stops the engine at startup
 with one line naming it: a misspelt ``recovery`` must not leave a replica silently
 unprotected. So do a ``model_name`` or ``engine`` that cannot be a label value (not
-UTF-8, too long: every scrape would fail) and TLS files that cannot be loaded (the
+UTF-8, too long, a control or bidirectional-override character: every scrape would
+fail, or a dashboard show spoofed text) and TLS files that cannot be loaded (the
 operator asked for an encrypted endpoint; serving none, or plain HTTP, would be a lie).
+Only a value someone set is refused: the default ``model_name`` comes from vLLM's
+served model name, which is the model path unless ``--served-model-name`` is given,
+and a path is often longer than a label may be (a Hugging Face snapshot path is). It
+is made a valid label instead (:func:`~kvmetrics.metrics.labels.model_label`): a
+snapshot path as its repository id, any other too-long value as its last path
+components and a hash.
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set the values are written to that shared
 directory instead (the one vLLM's API server reads when it is set before
@@ -59,7 +67,7 @@ from kvmetrics.exporters.prometheus import (
     serve,
     tls_context,
 )
-from kvmetrics.metrics.labels import check_label_value
+from kvmetrics.metrics.labels import check_label_value, model_label
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from kvmetrics.metrics.sink import MetricSink
 
@@ -134,12 +142,14 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
     env = os.environ if env is None else env
     dp_index = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
     model = vllm_config.model_config
-    served = model.served_model_name
+    served = getattr(model, "served_model_name", None)
     if isinstance(served, list | tuple):
         served = served[0] if served else None
+    # Set by no one: derived, never refused (check_setting_keys checks the rest).
+    derived_model_name = model_label(served, getattr(model, "model", None))
     values: dict[str, Any] = {
         "metrics_addr": env.get("KVMETRICS_METRICS_ADDR"),
-        "model_name": env.get("KVMETRICS_MODEL_NAME") or served or model.model,
+        "model_name": env.get("KVMETRICS_MODEL_NAME") or derived_model_name,
         "engine": env.get("KVMETRICS_ENGINE") or str(dp_index),
         "strict": env.get("KVMETRICS_STRICT", "0"),
         "otlp_endpoint": env.get("KVMETRICS_OTLP_ENDPOINT") or None,
