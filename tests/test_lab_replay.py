@@ -42,7 +42,7 @@ def test_scenarios_round_trip_through_the_command_line() -> None:
 
 
 def _failed_blocks(text: str) -> int:
-    match = re.search(r"\((\d+) failed blocks\)", text)
+    match = re.search(r"\((\d+) stale block reads\)", text)
     assert match, text
     return int(match.group(1))
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from kvmetrics.lab.report import COLOURS, docs_base
+from kvmetrics.lab.report import COLOURS
 from kvmetrics.lab.timeline import TimelineSink
 from kvmetrics.metrics import catalogue as cat
 from tests.lab_support import run_cli
@@ -62,13 +62,16 @@ def stale_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dic
 def test_report_is_self_contained(stale_run: tuple[Path, Path, dict]) -> None:
     page, _, _ = stale_run
     text = page.read_text()
-    assert not re.search(r"https?://", text)
+    # Nothing the browser would fetch (the copied docs may mention a URL as text).
+    assert not re.search(r'(?:href|src|action)="[a-z]+:|url\((?!#)', text)
     assert "<script" not in text and "@import" not in text
     assert not re.search(r'\bsrc="', text)  # nothing embedded by reference
-    # Links only to the docs (this checkout's, opened offline), never fetched by the page.
-    docs = docs_base()
-    for target in re.findall(r'\bhref="([^"]*)"', text):
-        assert target.startswith("#") or target.startswith(docs), target
+    # Links only within the page: the docs sections it cites are copied in, so the
+    # links still work once the page is sent elsewhere (no file:// into a checkout).
+    targets = re.findall(r'\bhref="([^"]*)"', text)
+    assert targets
+    for target in targets:
+        assert target.startswith("#") and f'id="{target[1:]}"' in text, target
     assert text.count("<svg") == 8  # this run moves every chart's series
     assert len(text) < 2_000_000
 
@@ -102,16 +105,52 @@ def test_report_renders_in_chromium_with_its_charts(stale_run: tuple[Path, Path,
     assert card and card.group(1) in {c["cause"] for c in doc["findings"]["causes"]}
     links = re.findall(r'href="([^"]+)">([^<]+)</a>', card.group(0))
     assert [text for _, text in links] == ["recompute-keeps-failed-block", "--recovery evict"]
-    for target, _ in links:  # the linked docs exist, and so does the section
-        path, _, anchor = target.partition("#")
-        page_text = Path(path.removeprefix("file://")).read_text()
-        assert any(_slug(h) == anchor for h in re.findall(r"^#+ (.+)$", page_text, re.M) +
-                   re.findall(r'<a id="([^"]+)"', page_text)), target
+    cause = next(c for c in doc["findings"]["causes"] if c["cause"] == card.group(1))
+    wanted = {cause["docs"].partition("#")[2], "the-command-line"}
+    for target, _ in links:  # each link reaches the docs section it names, in the page
+        section = re.search(rf'<section class="doc" id="{re.escape(target[1:])}"><h3>(.*?)'
+                            r'</h3>.*?<div class="doctext">(.+?)</div></section>',
+                            dom.stdout, re.S)
+        assert section, target
+        assert _slug(re.sub(r"<[^>]+>", "", section[1])) in wanted, section[1]
+        assert len(section[2]) > 200, section[2]
 
 
 def _slug(heading: str) -> str:
     """A Markdown heading's anchor as GitHub makes it."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_injected_failures_and_switches_are_shown_as_configured(
+        stale_run: tuple[Path, Path, dict], tmp_path: Path) -> None:
+    from kvmetrics.lab.report import render_report
+
+    page, _, doc = stale_run
+    text = page.read_text()
+    # The failures were asked for: the tile says so, next to the rate, and is not red.
+    tile = re.search(r'<div class="tile ([^"]*)"><div class="v">[^<]*</div><div class="l">'
+                     r"of [\d,]+ KV block loads failed[^<]*</div>", text)
+    assert tile and tile[1] == "", tile and tile[0]
+    assert "injected: 20.0% of loaded blocks (--fault-rate 0.2)" in tile[0]
+    # A switch shows whether it was given, not the setting behind it.
+    assert "<th>--no-reserve-full-prompt</th><td>given</td>" in text
+    assert "<th>--async-scheduling</th><td>not given</td>" in text
+    doc["config"]["reserve_full_prompt"] = True
+    doc["config"]["fault_rate"] = 0.0
+    again = render_report(doc)
+    assert "<th>--no-reserve-full-prompt</th><td>not given</td>" in again
+    tile = re.search(r'<div class="tile ([^"]*)"><div class="v">[^<]*</div><div class="l">'
+                     r"of [\d,]+ KV block loads failed[^<]*</div>", again)
+    assert tile[1] == "bad" and "no faults were injected" in tile[0]
+
+
+def test_without_the_docs_a_reference_is_text_not_a_dead_link(
+        stale_run: tuple[Path, Path, dict], tmp_path: Path) -> None:
+    from kvmetrics.lab.report import render_report
+
+    page = render_report(stale_run[2], docs_dir=tmp_path / "no-docs")
+    assert "<a href=" not in page and "Explanations" not in page
+    assert "<code>docs/vllm-defects.md#" in page
 
 
 def test_clean_run_draws_nothing_empty(tmp_path: Path) -> None:

@@ -26,6 +26,14 @@ class RunOption:
     #: groups the configuration the same way; a test checks they agree).
     group: str = "workload"
 
+    def shown(self, value: object) -> object:
+        """The setting as its flag has it: a value, or whether the switch was given (the
+        field behind ``--no-reserve-full-prompt`` is True when the flag was not)."""
+        if self.kind == "value":
+            return value
+        given = bool(value) if self.kind == "on" else not value
+        return "given" if given else "not given"
+
 
 RUN_OPTIONS: tuple[RunOption, ...] = (
     RunOption("engine", "--engine"),

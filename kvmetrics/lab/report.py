@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmetrics import __version__
+from kvmetrics.lab.doc_sections import DOCS_DIR, DocAppendix
 from kvmetrics.lab.markup import Markup, html, join
 from kvmetrics.lab.run_schema import RunDocumentError, check_run_document
 from kvmetrics.lab.summary import summary_rows
@@ -322,6 +323,9 @@ vertical-align:top;border-bottom:1px solid #eee}th{font-weight:600}
 .config{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:4px 24px}
 code{font:12.5px ui-monospace,monospace;background:#f4f4f4;padding:1px 4px;border-radius:3px}
 .replay{white-space:pre-wrap;word-break:break-all}
+.doc{border-top:1px solid #ddd;margin-top:10px}.doc .src{color:#777;font-size:12px;margin:0}
+.doctext{font-size:13px;max-width:960px}.doctext pre{white-space:pre-wrap;font-size:12px;
+background:#f6f6f6;padding:6px 8px;border-radius:4px}.doc h3{text-transform:none}
 """
 
 
@@ -336,24 +340,54 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def docs_base() -> str:
-    """Where the report's documentation links point: this checkout's docs folder (a
-    file: URI, opened offline) when there is one, else a relative ``docs/``."""
-    here = Path(__file__).resolve().parent.parent.parent / "docs"
-    return here.as_uri() + "/" if (here / "lab.md").is_file() else "docs/"
+def _link(target: str, text: str, appendix: DocAppendix) -> Markup:
+    """A docs reference (``docs/vllm-defects.md#anchor``) as a link to its section,
+    copied into the page's appendix; as text when the section cannot be had."""
+    section = appendix.resolve(target.split(" ", 1)[0])
+    if section is None:
+        return html("<code>{}</code>", target)
+    return html('<a href="#{}">{}</a>', section.element_id, text)
 
 
-#: A docs reference a run writes (``docs/vllm-defects.md#anchor``); anything else, from
-#: an edited file, is shown as text, never made a link.
-_DOCS_TARGET = re.compile(r"docs/[\w.-]+\.md(?:#[\w-]+)?")
+def _doc_text(text: str) -> Markup:
+    """A docs section's Markdown as paragraphs and code blocks, every line escaped (no
+    Markdown is interpreted: the text reads as in the file, wrapped by the browser)."""
+    parts: list[Markup] = []
+    lines: list[str] = []
+    in_code = False
+
+    def flush() -> None:
+        if lines:
+            parts.append(html("<pre>{}</pre>", join(lines, "\n")) if in_code
+                         else html("<p>{}</p>", " ".join(lines)))
+            lines.clear()
+
+    for line in text.splitlines():
+        if line.startswith("```"):
+            flush()
+            in_code = not in_code
+        elif in_code:
+            lines.append(line)
+        elif not line.strip() or line.startswith(("#", "|", "- ")):
+            flush()  # a blank line, heading, table row or list item starts anew
+            if line.strip():
+                lines.append(line)
+        else:
+            lines.append(line.strip())
+    flush()
+    return join(parts)
 
 
-def _link(target: str, text: str, base: str) -> Markup:
-    """A docs reference such as ``docs/vllm-defects.md#anchor`` as a real link."""
-    path = target.split(" ", 1)[0]
-    if _DOCS_TARGET.fullmatch(path):
-        return html('<a href="{}">{}</a>', base + path[len("docs/"):], text)
-    return html("<code>{}</code>", target)
+def _appendix(appendix: DocAppendix) -> Markup:
+    if not appendix.sections:
+        return Markup("")
+    parts = join(html('<section class="doc" id="{}"><h3>{}</h3><p class="src">{}, kvmetrics '
+                      '{}</p><div class="doctext">{}</div></section>', s.element_id, s.title,
+                      s.reference, __version__, _doc_text(s.text))
+                 for s in appendix.sections.values())
+    return html('<h2 id="explanations">Explanations</h2><p class="meta">The sections of '
+                "kvmetrics' documentation this report links to, copied in so that the page "
+                "stands alone.</p>{}", parts)
 
 
 def _tiles(doc: dict[str, Any]) -> Markup:
@@ -363,11 +397,15 @@ def _tiles(doc: dict[str, Any]) -> Markup:
     stale = doc["verification"]["failed_blocks"]
     verified = doc["verification"]["verified_tokens"]
     rec = doc["recomputed_tokens"]
+    injected = _injected(doc.get("config") or {})
     tiles = [
         (f"{r['submitted']:,}", f"requests: {r['finished']:,} finished, {r['failed']:,} "
                                 f"failed, {r['aborted']:,} aborted", ""),
-        (f"{share:.1%}", f"of {loads:,} KV block loads failed ({k['blocks_failed']:,})",
-         "bad" if k["blocks_failed"] else ""),
+        # Failures the run injected on purpose are its input, not an alarm: shown next
+        # to what was configured, in red only where nothing was injected.
+        (f"{share:.1%}", f"of {loads:,} KV block loads failed ({k['blocks_failed']:,}); "
+                         f"{injected or 'no faults were injected'}",
+         "bad" if k["blocks_failed"] and not injected else ""),
         (f"{k['failed_requests']:,}", "requests hit by a failed load", ""),
         (f"{doc['rolled_back_tokens']:,} / {rec['kv_load_failure']:,}",
          "tokens rolled back / recomputed after failed loads", ""),
@@ -380,7 +418,18 @@ def _tiles(doc: dict[str, Any]) -> Markup:
              cls, v, label) for v, label, cls in tiles))
 
 
-def _cause_card(c: dict[str, Any], base: str) -> Markup:
+def _injected(config: dict[str, Any]) -> str:
+    """What the run was told to fail, in words ("" when nothing)."""
+    parts = []
+    rate = config.get("fault_rate")
+    if isinstance(rate, int | float) and not isinstance(rate, bool) and rate > 0:
+        parts.append(f"injected: {rate:.1%} of loaded blocks (--fault-rate {rate:g})")
+    if config.get("fault_plan"):
+        parts.append("injected: the fault plan's failures (--fault-plan)")
+    return "; ".join(parts)
+
+
+def _cause_card(c: dict[str, Any], base: DocAppendix) -> Markup:
     links = []
     if c.get("docs"):
         links.append(html("why: {}", _link(c["docs"], c["docs"].split("#")[-1], base)))
@@ -399,7 +448,7 @@ def _cause_card(c: dict[str, Any], base: str) -> Markup:
         links=join(links, " &middot; "))
 
 
-def _violation_card(v: dict[str, Any], base: str) -> Markup:
+def _violation_card(v: dict[str, Any], base: DocAppendix) -> Markup:
     if v["kind"] == "invariant":
         what = f"invariant {v['invariant']} broken ({v['metric']})"
     else:
@@ -413,7 +462,7 @@ def _violation_card(v: dict[str, Any], base: str) -> Markup:
         docs=_link("docs/metrics.md", "what the guard and the invariants check", base))
 
 
-def _cards(doc: dict[str, Any], base: str) -> Markup:
+def _cards(doc: dict[str, Any], base: DocAppendix) -> Markup:
     findings = doc.get("findings") or {}
     cards = [_cause_card(c, base) for c in findings.get("causes") or ()]
     cards += [_violation_card(v, base) for v in doc.get("violations") or ()]
@@ -431,7 +480,8 @@ def _config(config: dict[str, Any]) -> Markup:
     known = {o.field for o in RUN_OPTIONS}
     for option in RUN_OPTIONS:
         if config.get(option.field) is not None:  # unset (no trace, no plan): not shown
-            groups.setdefault(option.group, []).append((option.flag, config[option.field]))
+            groups.setdefault(option.group, []).append(
+                (option.flag, option.shown(config[option.field])))
     other = sorted((k, v) for k, v in config.items() if k not in known)
     if other:
         groups["other"] = other
@@ -443,15 +493,15 @@ def _config(config: dict[str, Any]) -> Markup:
     return html('{}<div class="config">{}</div>', head, parts)
 
 
-def render_report(document: dict[str, Any], docs: str | None = None) -> str:
-    """The HTML page for one run document (see :meth:`LabResult.document`). ``docs``:
-    where documentation links point (default: :func:`docs_base`)."""
+def render_report(document: dict[str, Any], docs_dir: Path = DOCS_DIR) -> str:
+    """The HTML page for one run document (see :meth:`LabResult.document`), with the
+    sections of the docs in ``docs_dir`` that it links to copied in."""
     try:
         check_run_document(document)
     except RunDocumentError as e:
         raise ReportInputError(str(e)) from None
     tl = _Timeline(document["timeline"])
-    base = docs or docs_base()
+    base = DocAppendix(docs_dir)
     try:
         tiles, cards = _tiles(document), _cards(document, base)
         rows, config = summary_rows(document), _config(document.get("config") or {})
@@ -485,4 +535,5 @@ def render_report(document: dict[str, Any], docs: str | None = None) -> str:
         '<h2 id="charts">Over the run</h2>', '<div class="grid">', *figures, "</div>",
         '<h2 id="summary">Summary</h2>', _table(rows),
         '<h2 id="configuration">Configuration</h2>', config,
+        _appendix(base),
         "</body></html>", ""])
