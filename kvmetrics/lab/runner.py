@@ -104,7 +104,11 @@ def scheduler_config(cfg: LabConfig, items: list[WorkItem]) -> SchedulerConfig:
     """Size max_model_len to the workload and refuse requests the cache can never hold."""
     longest = 0
     usable = cfg.num_gpu_blocks - 1
+    ids: set[str] = set()
     for item in items:
+        if item.request_id in ids:  # an engine would refuse it mid-run, outputs unwritten
+            raise LabError(f"request id {item.request_id[:60]!r} is given twice")
+        ids.add(item.request_id)
         need = len(item.prompt) + (cfg.max_tokens or item.max_tokens)
         blocks = -(-need // cfg.block_size)
         if blocks > usable:

@@ -28,3 +28,16 @@ def utf8_encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every character a terminal would act on, rather than show, escaped
+    (``\\x1b``, ``\\u202e``): ESC sequences that recolour, retitle or clear the screen,
+    carriage returns that overwrite a line, bidirectional overrides that reverse it.
+    Everything printable, any script, is kept as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else
+                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else
+                    f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}")
+                   for c in text)
