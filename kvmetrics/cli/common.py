@@ -178,8 +178,13 @@ def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 
 
+#: Signals that stop a command cleanly: Ctrl-C, ``kill``, and a hangup (the terminal or
+#: SSH session closed, ``kill -HUP``), which would otherwise end it with nothing written.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM, raised in the main thread so that ``finally`` blocks run (the
+    """SIGINT, SIGTERM or SIGHUP, raised in the main thread so that ``finally`` blocks run (the
     lab writes what it has, workers are stopped). A KeyboardInterrupt, so that no
     ``except Exception`` swallows it."""
 
@@ -189,13 +194,14 @@ class Interrupted(KeyboardInterrupt):
 
 
 def interrupt_exit_code(error: BaseException) -> int:
-    """128 + the signal number, as a shell reports a process killed by it (130, 143)."""
+    """128 + the signal number, as a shell reports a process killed by it (130, 143,
+    129 for SIGHUP)."""
     return 128 + int(getattr(error, "signum", signal.SIGINT))
 
 
 @contextmanager
 def interruptible() -> Iterator[None]:
-    """SIGINT and SIGTERM raise :class:`Interrupted` once; further ones are ignored
+    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` once; further ones are ignored
     while the command cleans up (SIGKILL still ends it)."""
     fired = False
 
@@ -207,7 +213,7 @@ def interruptible() -> Iterator[None]:
         raise Interrupted(signum)
 
     try:
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     except ValueError:  # not the main thread (an embedding): leave signals alone
         yield
         return
