@@ -193,7 +193,11 @@ class Exporter:
             self.server = None
         if self.otel_provider is not None:
             try:
-                self.otel_provider.shutdown()
+                from kvmetrics.exporters.otel import SHUTDOWN_TIMEOUT_S, shutdown_provider
+
+                if not shutdown_provider(self.otel_provider):
+                    log.warning("kvmetrics: the OTLP collector did not take the last push "
+                                "within %g s; it was dropped", SHUTDOWN_TIMEOUT_S)
             except Exception:
                 log.exception("kvmetrics: stopping the OTLP exporter failed")
             self.otel_provider = None
