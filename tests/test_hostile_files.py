@@ -283,3 +283,23 @@ def test_the_port_file_never_replaces_a_device(tmp_path: Path,
     _write_port_file(43210)  # logged, never raised: the engine comes up regardless
     assert stat.S_ISCHR(os.lstat(device).st_mode)
     assert "character device" in caplog.text
+
+
+def test_demo_model_writes_through_the_safe_writer(tmp_path: Path) -> None:
+    """``kvmetrics demo-model`` wrote its weights through ``.model.safetensors.tmp``: a
+    link planted there overwrote the link's target; a device at config.json was
+    replaced."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (folder / ".model.safetensors.tmp").symlink_to(victim)
+    device = _null_device(folder / "config.json")
+    _one_line_error(run_cli("demo-model", str(folder)), "config.json", "character device")
+    assert stat.S_ISCHR(os.lstat(device).st_mode)
+    device.unlink()
+    result = run_cli("demo-model", str(folder))
+    assert result.returncode == 0, result.stderr
+    assert victim.read_text() == "precious\n"
+    assert json.loads((folder / "config.json").read_text())
+    assert (folder / "model.safetensors").stat().st_size > 1000
