@@ -193,3 +193,39 @@ def test_soak_workers_of_a_killed_parent_leave_quietly() -> None:
     assert code == -signal.SIGKILL
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
     _assert_all_gone(workers)
+
+
+def test_run_on_a_terminal_that_hangs_up_writes_its_output(tmp_path: Path) -> None:
+    """The real hangup: the run's terminal (a pty here, its controlling terminal) goes
+    away. The kernel sends SIGHUP and every later write to the terminal fails with EIO;
+    the progress bar's last redraw and the summary must not stop --output being
+    written."""
+    import pty
+    import select
+
+    out = tmp_path / "run.json"
+    master, slave = pty.openpty()
+    terminal = os.ttyname(slave)
+
+    def own_terminal() -> None:
+        os.setsid()
+        os.close(os.open(terminal, os.O_RDWR))  # the first tty opened becomes controlling
+
+    proc = subprocess.Popen([console_script(), "run", "--verify", "off", "--max-requests",
+                             "300", "--realtime", "--step-seconds", "0.05", "--output",
+                             str(out)], stdin=slave, stdout=slave, stderr=slave,
+                            preexec_fn=own_terminal)
+    os.close(slave)
+    seen = b""
+    deadline = time.monotonic() + 120
+    try:
+        while b"step " not in seen and time.monotonic() < deadline:  # the bar is drawn
+            if select.select([master], [], [], 1.0)[0]:
+                seen += os.read(master, 65536)
+    finally:
+        os.close(master)  # the terminal hangs up
+    code = proc.wait(60)
+    assert b"step " in seen, seen[-500:]
+    assert code == EXIT[signal.SIGHUP]
+    saved = json.loads(out.read_text())
+    assert saved["interrupted"] == "SIGHUP" and saved["steps"] > 0

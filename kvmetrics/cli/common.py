@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -104,8 +104,15 @@ def one_line(message: str) -> str:
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:
-    print(f"kvmetrics: error: {one_line(message)}", file=sys.stderr)
+    _to_stderr(f"kvmetrics: error: {one_line(message)}")
     return code
+
+
+def _to_stderr(line: str) -> None:
+    """A line on stderr, if there still is one: after a hangup the terminal is gone
+    (writes fail with EIO), and that must not stop a command from writing its files."""
+    with suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def read_json_file(path: str) -> tuple[Any, str | None]:
@@ -226,4 +233,4 @@ def interruptible() -> Iterator[None]:
 
 def say(message: str) -> None:
     """A line of narration on stderr: what the command is doing or has done."""
-    print(f"kvmetrics: {message}", file=sys.stderr, flush=True)
+    _to_stderr(f"kvmetrics: {message}")

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import time
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from kvmetrics.cli.common import (
@@ -291,14 +292,12 @@ def _print_summary(result: LabResult, args: argparse.Namespace) -> None:
     must not stop the outputs from being written after it."""
     from kvmetrics.lab.summary import render_table
 
-    try:
+    with suppress(OSError):
         if args.json:
             print(strict_json.dumps({k: v for k, v in result.document().items()
                                      if k != "timeline"}, indent=2, sort_keys=True), flush=True)
         else:
             print(render_table(result.summary, rich=stdout_is_tty()), flush=True)
-    except OSError:
-        pass
     if result.interrupted:
         say(f"interrupted at step {result.summary['steps']}: the summary covers the steps "
             "run so far")
