@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from contextlib import suppress
 from typing import Any
 
 from kvmetrics.cli.common import (
@@ -212,7 +213,10 @@ def _run(args: argparse.Namespace) -> int:
         for name, level in quiet.items():
             logging.getLogger(name).setLevel(level)
     data = report.as_dict()
-    print_report(data, args.json)  # first: a failed write below must not lose it
+    # First, so that a failed write below loses no report; a terminal that hung up
+    # (EIO) must not stop the write either.
+    with suppress(OSError):
+        print_report(data, args.json)
     written = True
     if args.output:
         written = write_output(args.output, strict_json.dumps(data, indent=2) + "\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import suppress
 
 from kvmetrics.cli.common import (
     EXIT_OUTPUT,
@@ -48,7 +49,10 @@ def _run(args: argparse.Namespace) -> int:
     except SoakReportError as e:
         return fail(str(e))
     data = merged.as_dict()
-    print_report(data, args.json)  # first: a failed write below must not lose it
+    # First, so that a failed write below loses no report; a terminal that hung up
+    # (EIO) must not stop the write either.
+    with suppress(OSError):
+        print_report(data, args.json)
     if args.output and not write_output(args.output, strict_json.dumps(data, indent=2) + "\n"):
         return EXIT_OUTPUT
     return exit_code(merged)
