@@ -255,7 +255,7 @@ def _run(args: argparse.Namespace) -> int:
         return fail(str(e))
     except (CounterViolationError, EngineStalled) as e:
         prefix = "strict mode: " if isinstance(e, CounterViolationError) else ""
-        print(f"kvmetrics: {prefix}{e}", file=sys.stderr)
+        say(f"{prefix}{e}")
         return EXIT_OUTPUT if False in written else EXIT_STRICT
     except Exception as e:
         if is_verification_error(e):
