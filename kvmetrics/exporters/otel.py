@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Sequence
 
 from opentelemetry.metrics import Meter
@@ -126,12 +127,14 @@ def sink_for(provider: MeterProvider) -> OTelSink:
 
 
 def shutdown_provider(provider: MeterProvider, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
-    """Shut ``provider`` down (its last push included) within ``timeout_s``; False when the
-    push was cut off (the collector did not answer in time: the caller says so).
+    """Shut ``provider`` down (its last push included) within about ``timeout_s``; False
+    when the push was cut off (the collector did not answer in time: the caller says so).
 
-    The SDK bounds its own shutdown only loosely (its exporter retries past the given
-    deadline), so the shutdown runs in a daemon thread that is simply abandoned when the
-    time is up; the SDK's exit hook is removed too, or it would wait again at exit."""
+    The SDK is given ``timeout_s`` but bounds its shutdown only loosely (its exporter
+    may retry past the deadline), so the shutdown runs in a daemon thread that is
+    abandoned half a second after the deadline; the SDK's exit hook is removed then,
+    or it would wait again at exit. A shutdown that ran to the deadline was cut by it,
+    whichever of the two gave up first."""
     finished = threading.Event()
 
     def stop() -> None:
@@ -142,8 +145,9 @@ def shutdown_provider(provider: MeterProvider, timeout_s: float = SHUTDOWN_TIMEO
         finally:
             finished.set()
 
+    start = time.monotonic()
     threading.Thread(target=stop, name="kvmetrics-otlp-shutdown", daemon=True).start()
-    if finished.wait(timeout_s):
-        return True
-    atexit.unregister(provider.shutdown)
-    return False
+    if not finished.wait(timeout_s + 0.5):
+        atexit.unregister(provider.shutdown)
+        return False
+    return time.monotonic() - start < timeout_s
