@@ -138,7 +138,7 @@ def test_engine_without_vllm_installed_is_one_line() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     _assert_clean_error(result, "--engine vllm is not available", "vLLM is not installed",
-                        "light CPU-only install")
+                        "bash scripts/install.sh --vllm (docs/vllm.md#installing)")
 
 
 # -- every bad input of issue 21: one line, exit 2, nothing written or clobbered -----------
@@ -149,7 +149,11 @@ DEEP = '{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": ' 
 
 
 def _soak_shard(**changes: object) -> dict:
-    base = {"version": 1, "campaign": {"scenarios": 4, "seed": 0, "engines": ["reference"],
+    """A shard report as `kvmetrics soak` writes it (its digest recomputed after the
+    changes, so that each case is refused for the problem it is about)."""
+    from kvmetrics.lab.soak_report import digest
+
+    base = {"version": 2, "campaign": {"scenarios": 4, "seed": 0, "engines": ["reference"],
                                        "accounting": "unified", "verify": "off",
                                        "recovery": "vllm"},
             "shard": "0/2", "seeds": [0, 2], "scenarios": 2, "invariant_violations": 0,
@@ -159,7 +163,7 @@ def _soak_shard(**changes: object) -> dict:
                           "guard_rejected_increments": 0, "verification_failed_blocks": 3,
                           "error": None}]}
     base.update(changes)
-    return base
+    return {**base, "digest": digest(base)}
 
 
 def _write(tmp_path: Path, name: str, content: str | bytes) -> str:

@@ -97,3 +97,30 @@ def test_aborts_are_counted() -> None:
     r = s["requests"]
     assert r["aborted"] > 0
     assert r["finished"] + r["failed"] + r["aborted"] == r["submitted"]
+
+
+def test_a_stalled_run_still_writes_its_outputs(tmp_path) -> None:
+    """vLLM 0.33's stall after failed async loads (reproduced by the reference engine,
+    docs/vllm-defects.md ``async-load-stall``) ends the run with exit 1; the summary of
+    the steps run, --output and --report are still written, saying where it stalled."""
+    from kvmetrics.integrations.vllm_lab.differential import random_workload
+
+    workload = random_workload(0, 40, load_mode="async", doc_blocks=(2, 4), suffix=(1, 20))
+    trace = tmp_path / "stall.jsonl"
+    trace.write_text("".join(
+        json.dumps({"id": s.request_id, "arrival_s": i * 0.04,
+                    "prompt_token_ids": list(s.tokens), "output_length": s.max_tokens}) + "\n"
+        for i, s in enumerate(workload.requests)))
+    out, page = tmp_path / "run.json", tmp_path / "run.html"
+    result = run_cli("run", "--trace", str(trace), "--block-size", "16", "--num-gpu-blocks",
+                     "12", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                     "--fault-mode", "async", "--fault-rate", "0.5", "--verify", "off",
+                     "--json", "--output", str(out), "--report", str(page))
+    assert result.returncode == 1, result.stderr
+    assert "the reference engine stalled" in result.stderr
+    assert "Traceback" not in result.stderr
+    saved = json.loads(out.read_text())
+    assert saved["stalled"].startswith("the reference engine stalled")
+    assert saved["steps"] == json.loads(result.stdout)["steps"] > 1000
+    assert saved["requests"]["finished"] < 40
+    assert "<svg" in page.read_text()

@@ -1,5 +1,5 @@
-"""Runs and soaks stop cleanly: SIGINT/SIGTERM give the summary so far, the outputs,
-exit 130/143, no traceback and no process left; a soak worker killed with -9 costs
+"""Runs and soaks stop cleanly: SIGINT/SIGTERM/SIGHUP give the summary so far, the
+outputs, exit 130/143/129, no traceback and no process left; a soak worker killed with -9 costs
 its one scenario, not the campaign."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from tests.lab_support import console_script
 
-EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 
 
 def _children(pid: int) -> set[int]:
@@ -79,7 +79,8 @@ class _Cli:
         raise AssertionError(f"no {pattern!r} on stderr: {''.join(self.stderr)}")
 
     def signal(self, sig: int, group: bool) -> None:
-        """SIGINT to the process group, as a terminal's Ctrl-C; SIGTERM to the pid."""
+        """SIGINT to the process group, as a terminal's Ctrl-C; SIGTERM to the pid;
+        SIGHUP either way (a shell forwards a hangup to its jobs' groups)."""
         if group:
             os.killpg(self.proc.pid, sig)
         else:
@@ -102,7 +103,7 @@ def _assert_all_gone(pids: set[int]) -> None:
     assert not [p for p in pids if _alive(p)], "processes left behind"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_run_stopped_while_lingering(tmp_path: Path, sig: int) -> None:
     out, page = tmp_path / "run.json", tmp_path / "run.html"
     cli = _Cli("run", "--verify", "off", "--max-requests", "20", "--serve", "127.0.0.1:0",
@@ -114,7 +115,7 @@ def test_run_stopped_while_lingering(tmp_path: Path, sig: int) -> None:
     # Written before the linger: a signal now loses nothing.
     assert json.loads(out.read_text())["requests"]["submitted"] == 20
     assert "<svg" in page.read_text()
-    cli.signal(sig, group=sig == signal.SIGINT)
+    cli.signal(sig, group=sig != signal.SIGTERM)
     code, stdout, stderr = cli.finish()
     assert code == EXIT[sig], stderr
     assert "Traceback" not in stderr
@@ -123,19 +124,21 @@ def test_run_stopped_while_lingering(tmp_path: Path, sig: int) -> None:
     _assert_all_gone({cli.proc.pid})
 
 
-def test_run_stopped_mid_run_writes_the_steps_so_far(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_run_stopped_mid_run_writes_the_steps_so_far(tmp_path: Path, sig: int) -> None:
     out = tmp_path / "run.json"
     cli = _Cli("run", "--verify", "off", "--max-requests", "300", "--realtime",
                "--step-seconds", "0.05", "--serve", "127.0.0.1:0", "--output", str(out),
                "--json")
     cli.wait_for(r"serving metrics on")
     time.sleep(1.0)  # some steps, far from the end (300 requests at 20 steps a second)
-    cli.signal(signal.SIGTERM, group=False)
+    cli.signal(sig, group=False)
     code, stdout, stderr = cli.finish()
-    assert code == 143, stderr
+    assert code == EXIT[sig], stderr
     assert "Traceback" not in stderr
+    assert f"interrupted ({signal.Signals(sig).name})" in stderr
     saved = json.loads(out.read_text())
-    assert saved["interrupted"] == "SIGTERM"
+    assert saved["interrupted"] == signal.Signals(sig).name
     assert 0 < saved["steps"] == json.loads(stdout)["steps"]
     r = saved["requests"]
     # Only the requests that arrived before the signal count as submitted.
@@ -143,8 +146,9 @@ def test_run_stopped_mid_run_writes_the_steps_so_far(tmp_path: Path) -> None:
     assert len(saved["timeline"]["last_step"]) == saved["steps"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_soak_with_workers_stopped(tmp_path: Path, sig: int) -> None:
+@pytest.mark.parametrize(("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False),
+                                            (signal.SIGHUP, False), (signal.SIGHUP, True)])
+def test_soak_with_workers_stopped(tmp_path: Path, sig: int, group: bool) -> None:
     out = tmp_path / "soak.json"
     cli = _Cli("soak", "--scenarios", "3000", "--verify", "off", "--jobs", "2",
                "--output", str(out))
@@ -153,7 +157,7 @@ def test_soak_with_workers_stopped(tmp_path: Path, sig: int) -> None:
     time.sleep(1.0)
     before = _children(cli.proc.pid)  # the workers, and multiprocessing's tracker if any
     assert workers <= before
-    cli.signal(sig, group=sig == signal.SIGINT)
+    cli.signal(sig, group=group)
     code, stdout, stderr = cli.finish()
     assert code == EXIT[sig], stderr
     assert "Traceback" not in stderr
@@ -175,3 +179,53 @@ def test_soak_worker_killed_costs_one_scenario(tmp_path: Path) -> None:
     assert report["scenarios"] == 6 and report["errors"] == 1
     (failure,) = report["failures"]
     assert failure["error"] == "the worker process died (SIGKILL)"
+
+
+def test_soak_workers_of_a_killed_parent_leave_quietly() -> None:
+    """A parent that cannot clean up (kill -9) leaves its workers without a reader:
+    each finishes or drops its scenario and exits, with no BrokenPipeError traceback."""
+    cli = _Cli("soak", "--scenarios", "3000", "--verify", "off", "--jobs", "2")
+    match = cli.wait_for(r"in 2 worker processes \(pids (\d+) (\d+)\)")
+    workers = {int(match.group(1)), int(match.group(2))}
+    time.sleep(1.0)
+    cli.signal(signal.SIGKILL, group=False)
+    code, _, stderr = cli.finish()  # stderr ends when the last worker has closed it
+    assert code == -signal.SIGKILL
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+    _assert_all_gone(workers)
+
+
+def test_run_on_a_terminal_that_hangs_up_writes_its_output(tmp_path: Path) -> None:
+    """The real hangup: the run's terminal (a pty here, its controlling terminal) goes
+    away. The kernel sends SIGHUP and every later write to the terminal fails with EIO;
+    the progress bar's last redraw and the summary must not stop --output being
+    written."""
+    import pty
+    import select
+
+    out = tmp_path / "run.json"
+    master, slave = pty.openpty()
+    terminal = os.ttyname(slave)
+
+    def own_terminal() -> None:
+        os.setsid()
+        os.close(os.open(terminal, os.O_RDWR))  # the first tty opened becomes controlling
+
+    proc = subprocess.Popen([console_script(), "run", "--verify", "off", "--max-requests",
+                             "300", "--realtime", "--step-seconds", "0.05", "--output",
+                             str(out)], stdin=slave, stdout=slave, stderr=slave,
+                            preexec_fn=own_terminal)
+    os.close(slave)
+    seen = b""
+    deadline = time.monotonic() + 120
+    try:
+        while b"step " not in seen and time.monotonic() < deadline:  # the bar is drawn
+            if select.select([master], [], [], 1.0)[0]:
+                seen += os.read(master, 65536)
+    finally:
+        os.close(master)  # the terminal hangs up
+    code = proc.wait(60)
+    assert b"step " in seen, seen[-500:]
+    assert code == EXIT[signal.SIGHUP]
+    saved = json.loads(out.read_text())
+    assert saved["interrupted"] == "SIGHUP" and saved["steps"] > 0

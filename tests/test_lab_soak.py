@@ -14,7 +14,7 @@ from tests.lab_support import run_cli
 
 
 def _without_wall(data: dict) -> dict:
-    return {k: v for k, v in data.items() if k != "wall_seconds"}
+    return {k: v for k, v in data.items() if k not in ("wall_seconds", "digest")}
 
 
 def test_short_soak_is_clean() -> None:
@@ -178,5 +178,88 @@ def test_merge_refuses_incomplete_or_mixed_reports() -> None:
     other = soak(4, verify="off", seed=1, shard=Shard(1, 2))
     with pytest.raises(SoakReportError, match="different campaigns"):
         merge_reports([reports[0], other])
-    with pytest.raises(SoakReportError, match="not a version-1 soak report"):
+    with pytest.raises(SoakReportError, match="not a version-2 soak report"):
         SoakReport.from_dict({"scenarios": 3})
+
+
+def _shard_with_failure(tmp_path: Path, index: int = 0) -> tuple[dict, Path]:
+    """Shard ``index`` of 2 of a 4-scenario campaign, with one failing scenario, as
+    `kvmetrics soak --shard I/2 --output` would have written it."""
+    from kvmetrics.lab.soak import Campaign, ScenarioOutcome
+
+    report = SoakReport(Campaign(4, 0, ("reference",), "unified", "off", "vllm"),
+                        Shard(index, 2))
+    for seed in report.seed_range():
+        report.add(ScenarioOutcome(seed, "reference", 0, 0, 3 if seed == 1 else 0))
+    report.wall_seconds = 1.5
+    path = tmp_path / f"shard-{index}.json"
+    path.write_text(json.dumps(report.as_dict()))
+    return report.as_dict(), path
+
+
+def test_a_consistently_edited_shard_is_refused(tmp_path: Path) -> None:
+    """Failures removed and every count zeroed, the shard still adds up: only its digest
+    (over the campaign and the results) tells it from what the soak wrote."""
+    data, path = _shard_with_failure(tmp_path)
+    _, other = _shard_with_failure(tmp_path, 1)
+    assert run_cli("soak-merge", str(path), str(other)).returncode == 1  # as written
+    edited = {**data, "verification_failed_blocks": 0, "failing_seeds": [], "failures": []}
+    path.write_text(json.dumps(edited))
+    result = run_cli("soak-merge", str(path), str(other))
+    assert result.returncode == 2, result.stdout
+    assert "digest does not match its content" in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    path.write_text(json.dumps({k: v for k, v in edited.items() if k != "digest"}))
+    assert "has no digest" in run_cli("soak-merge", str(path), str(other)).stderr
+
+
+@pytest.mark.parametrize("wall", ['"nan"', "NaN", "1e308", "-1", "1e999", "true"])
+def test_a_shard_wall_time_that_is_not_a_time_is_refused(tmp_path: Path, wall: str) -> None:
+    data, path = _shard_with_failure(tmp_path)
+    _, other = _shard_with_failure(tmp_path, 1)
+    text = json.dumps({**data, "wall_seconds": 0.25}).replace("0.25", wall)
+    path.write_text(text)
+    result = run_cli("soak-merge", "--json", str(path), str(other))
+    assert result.returncode == 2, result.stdout
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_merged_output_is_always_standard_json(tmp_path: Path) -> None:
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} in the output")
+
+    _, a = _shard_with_failure(tmp_path)
+    _, b = _shard_with_failure(tmp_path, 1)
+    out = tmp_path / "merged.json"
+    result = run_cli("soak-merge", "--json", str(a), str(b), "--output", str(out))
+    assert result.returncode == 1, result.stderr
+    for text in (result.stdout, out.read_text()):
+        merged = json.loads(text, parse_constant=no_constants)
+        assert merged["wall_seconds"] == 3.0 and merged["failing_seeds"] == ["reference:1"]
+        assert SoakReport.from_dict(merged).verification_failed_blocks == 3  # re-readable
+
+
+def test_no_control_byte_from_a_shard_reaches_the_terminal(tmp_path: Path) -> None:
+    from kvmetrics.cli.soak import print_report
+    from kvmetrics.lab.soak_report import digest
+
+    data, path = _shard_with_failure(tmp_path)
+    hostile = "\x1b]0;pwned\x07\x1b[2J"
+    for engines in (["reference", hostile], [hostile]):
+        body = {k: v for k, v in data.items() if k != "digest"}
+        body["campaign"] = {**body["campaign"], "engines": engines}
+        path.write_text(json.dumps({**body, "digest": digest(body)}))
+        result = run_cli("soak-merge", str(path))
+        assert result.returncode == 2 and "\x1b" not in result.stderr + result.stdout
+        assert "printable" in result.stderr
+    # And the text report escapes whatever it is given (a report built in memory).
+    import contextlib
+    import io
+
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        print_report({**data, "campaign": {**data["campaign"], "engines": [hostile]},
+                      "failing_seeds": [f"{hostile}:1"]}, as_json=False)
+    assert "\x1b" not in shown.getvalue() and "\x07" not in shown.getvalue()
+    assert "\\x1b]0;pwned\\x07" in shown.getvalue()

@@ -136,6 +136,8 @@ def test_soak_finds_vllms_defects_and_prints_replay_lines(
     assert "Traceback" not in soak.stderr
     replays = re.findall(r"^\s*kvmetrics run .*--seed (\d+)", soak.stdout, flags=re.M)
     assert replays, soak.stdout[-3000:]
+    # ... and says that this is the expected outcome, not a broken install.
+    assert "expected with --recovery vllm" in soak.stdout, soak.stdout[-3000:]
 
 
 def test_explain_a_failing_seed(newcomer: dict[str, object],

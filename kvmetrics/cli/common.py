@@ -13,16 +13,17 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NoReturn
 
+from kvmetrics.metrics import files, strict_json
 from kvmetrics.metrics.text import escape_for_display
 
 EXIT_USAGE = 2
+#: The work was done (and its summary printed) but an output file could not be written.
+EXIT_OUTPUT = 4
 #: An error line never grows past this (a hostile file must not make a 50 MB line).
 MAX_ERROR_CHARS = 400
 
@@ -112,21 +113,28 @@ def one_line(message: str) -> str:
 
 
 def fail(message: str, code: int = EXIT_USAGE) -> int:
-    print(f"kvmetrics: error: {one_line(message)}", file=sys.stderr)
+    _to_stderr(f"kvmetrics: error: {one_line(message)}")
     return code
 
 
+def _to_stderr(line: str) -> None:
+    """A line on stderr, if there still is one: after a hangup the terminal is gone
+    (writes fail with EIO), and that must not stop a command from writing its files."""
+    with suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def read_json_file(path: str) -> tuple[Any, str | None]:
-    """(data, None) or (None, the one-line problem): unreadable, not UTF-8, not JSON."""
+    """(data, None) or (None, the one-line problem): not a regular file, too large, not
+    UTF-8, not JSON, or numbers JSON cannot hold (NaN, 1e400, 5,000 digits)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return json.load(handle), None
-    except OSError as e:
-        return None, f"cannot read {path}: {e.strerror}"
-    except UnicodeDecodeError as e:
-        return None, f"{path}: not UTF-8 text (byte {e.start})"
+        return strict_json.loads(files.read_text(path)), None
+    except files.FileRefused as e:
+        return None, str(e)
     except json.JSONDecodeError as e:
         return None, f"{path}: not JSON ({e.msg} at line {e.lineno})"
+    except strict_json.JSONRefused as e:
+        return None, f"{path}: {e}"
     except RecursionError:
         return None, f"{path}: JSON nested too deeply"
 
@@ -157,36 +165,25 @@ def setup_logging(verbose: bool) -> None:
 
 
 def check_output_path(path: str | None) -> str | None:
-    """The problem with writing to ``path``, or None (checked before any work is done)."""
-    if path is None:
-        return None
-    target = Path(path)
-    if target.is_dir():
-        return f"{path} is a directory, not a file"
-    if not target.parent.exists():
-        return f"output directory {target.parent} does not exist"
-    if not target.parent.is_dir():
-        return f"{target.parent} is not a directory"
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        return f"cannot write in {target.parent}"
-    return None
+    """The problem with writing to ``path``, or None (checked before any work is done):
+    see :mod:`kvmetrics.metrics.files` for what is refused."""
+    return None if path is None else files.check_output_path(path)
 
 
-def write_atomically(path: str, text: str) -> None:
-    """Write via a temp file and rename, so a failed run never truncates an old result."""
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+
+def write_output(path: str, text: str) -> bool:
+    """Write an output file; on failure (a full disk, a path that turned into a device
+    meanwhile) say so in one line and return False, so that the command can still
+    print what it has and exit :data:`EXIT_OUTPUT`."""
     try:
-        # mkstemp makes the file private (0600); give it the mode open() would have.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        files.write_file(path, text)
+    except files.FileRefused as e:
+        fail(str(e))
+        return False
+    except OSError as e:
+        fail(f"cannot write {path}: {e.strerror or e}")
+        return False
+    return True
 
 
 def stdout_is_tty() -> bool:
@@ -197,8 +194,13 @@ def stderr_is_tty() -> bool:
     return sys.stderr.isatty()
 
 
+#: Signals that stop a command cleanly: Ctrl-C, ``kill``, and a hangup (the terminal or
+#: SSH session closed, ``kill -HUP``), which would otherwise end it with nothing written.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM, raised in the main thread so that ``finally`` blocks run (the
+    """SIGINT, SIGTERM or SIGHUP, raised in the main thread so that ``finally`` blocks run (the
     lab writes what it has, workers are stopped). A KeyboardInterrupt, so that no
     ``except Exception`` swallows it."""
 
@@ -208,13 +210,14 @@ class Interrupted(KeyboardInterrupt):
 
 
 def interrupt_exit_code(error: BaseException) -> int:
-    """128 + the signal number, as a shell reports a process killed by it (130, 143)."""
+    """128 + the signal number, as a shell reports a process killed by it (130, 143,
+    129 for SIGHUP)."""
     return 128 + int(getattr(error, "signum", signal.SIGINT))
 
 
 @contextmanager
 def interruptible() -> Iterator[None]:
-    """SIGINT and SIGTERM raise :class:`Interrupted` once; further ones are ignored
+    """SIGINT, SIGTERM and SIGHUP raise :class:`Interrupted` once; further ones are ignored
     while the command cleans up (SIGKILL still ends it)."""
     fired = False
 
@@ -226,7 +229,7 @@ def interruptible() -> Iterator[None]:
         raise Interrupted(signum)
 
     try:
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     except ValueError:  # not the main thread (an embedding): leave signals alone
         yield
         return
@@ -239,4 +242,4 @@ def interruptible() -> Iterator[None]:
 
 def say(message: str) -> None:
     """A line of narration on stderr: what the command is doing or has done."""
-    print(f"kvmetrics: {escape_for_display(message)}", file=sys.stderr, flush=True)
+    _to_stderr(f"kvmetrics: {escape_for_display(message)}")

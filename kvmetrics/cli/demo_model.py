@@ -16,6 +16,7 @@ def _add(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from kvmetrics.lab.demo_model import write_tiny_llama
+    from kvmetrics.metrics.files import FileRefused
 
     folder = Path(args.folder)
     if folder.exists() and not folder.is_dir():
@@ -24,6 +25,8 @@ def _run(args: argparse.Namespace) -> int:
         return fail(f"{folder.parent} does not exist")
     try:
         write_tiny_llama(folder, seed=args.seed)
+    except FileRefused as e:
+        return fail(str(e))
     except OSError as e:
         return fail(f"cannot write {folder}: {e.strerror}")
     say(f"tiny Llama written to {folder} (serve it with scripts/demo-vllm-serve.sh)")

@@ -28,6 +28,7 @@ from kvmetrics.cli.common import (
     add_command,
     interrupt_exit_code,
     interruptible,
+    say,
     setup_logging,
 )
 
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return handler(args)
     except KeyboardInterrupt as e:  # commands write what they have before it gets here
         name = e.args[0] if e.args else "SIGINT"
-        print(f"kvmetrics: interrupted ({name})", file=sys.stderr)
+        say(f"interrupted ({name})")
         return interrupt_exit_code(e)
 
 

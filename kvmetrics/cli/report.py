@@ -6,12 +6,13 @@ import argparse
 from pathlib import Path
 
 from kvmetrics.cli.common import (
+    EXIT_OUTPUT,
     Command,
     check_output_path,
     clashing_paths,
     fail,
     read_json_file,
-    write_atomically,
+    write_output,
 )
 from kvmetrics.metrics.text import escape_for_display
 
@@ -39,7 +40,8 @@ def _run(args: argparse.Namespace) -> int:
         return fail(f"{args.run}: {e}")
     except ReportUnavailable as e:
         return fail(str(e))
-    write_atomically(target, page)
+    if not write_output(target, page):
+        return EXIT_OUTPUT
     print(escape_for_display(target))
     return 0
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import sys
 import time
+from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 from kvmetrics.cli.common import (
+    EXIT_OUTPUT,
     Command,
     check_output_path,
     clashing_paths,
@@ -18,8 +19,9 @@ from kvmetrics.cli.common import (
     say,
     stderr_is_tty,
     stdout_is_tty,
-    write_atomically,
+    write_output,
 )
+from kvmetrics.metrics import strict_json
 
 if TYPE_CHECKING:
     from kvmetrics.lab.config import LabConfig
@@ -238,12 +240,14 @@ def _run(args: argparse.Namespace) -> int:
             return fail(str(e))
     cfg = config_from_args(args)
     finished: list[LabResult] = []
+    written: list[bool] = []
 
     def on_finished(result: LabResult) -> None:
-        """Outputs first, before any linger, so that a signal then loses nothing."""
+        """The summary, then the outputs, before any linger, so that a signal then
+        loses nothing and a failed write (a full disk) loses no summary."""
         finished.append(result)
-        _write_outputs(result, args)
         _print_summary(result, args)
+        written.append(_write_outputs(result, args))
 
     try:
         run_lab(cfg, on_finished=on_finished, narrator=_narrator())
@@ -251,36 +255,49 @@ def _run(args: argparse.Namespace) -> int:
         return fail(str(e))
     except (CounterViolationError, EngineStalled) as e:
         prefix = "strict mode: " if isinstance(e, CounterViolationError) else ""
-        print(f"kvmetrics: {prefix}{e}", file=sys.stderr)
-        return EXIT_STRICT
+        say(f"{prefix}{e}")
+        return EXIT_OUTPUT if False in written else EXIT_STRICT
     except Exception as e:
         if is_verification_error(e):
             print(f"kvmetrics: strict mode: {e}", file=sys.stderr)
             return EXIT_STRICT
         raise
+    if False in written:
+        return EXIT_OUTPUT
     return exit_code(finished[0].summary, args)
 
 
-def _write_outputs(result: LabResult, args: argparse.Namespace) -> None:
+def _write_outputs(result: LabResult, args: argparse.Namespace) -> bool:
+    """Write --output and --report; False (each failure said in one line) if one failed."""
     from kvmetrics.lab.report import render_report
 
     document = result.document()
+    ok = True
     if args.output:
-        write_atomically(args.output, json.dumps(document, indent=2, sort_keys=True) + "\n")
-        say(f"run written to {args.output}")
+        if write_output(args.output, strict_json.dumps(document, indent=2, sort_keys=True)
+                        + "\n"):
+            say(f"run written to {args.output}")
+        else:
+            ok = False
     if args.report:
-        write_atomically(args.report, render_report(document))
-        say(f"report written to {args.report}")
+        if write_output(args.report, render_report(document)):
+            say(f"report written to {args.report}")
+        else:
+            ok = False
+    return ok
 
 
 def _print_summary(result: LabResult, args: argparse.Namespace) -> None:
+    """Print the summary; a stdout that is gone (a hung-up terminal, a closed pipe)
+    must not stop the outputs from being written after it."""
     from kvmetrics.lab.summary import render_table
 
-    if args.json:
-        print(json.dumps({k: v for k, v in result.document().items() if k != "timeline"},
-                         indent=2, sort_keys=True), flush=True)
-    else:
-        print(render_table(result.summary, rich=stdout_is_tty()), flush=True)
+    with suppress(OSError):
+        if args.json:
+            print(strict_json.dumps({k: v for k, v in result.document().items()
+                                     if k != "timeline"}, indent=2, sort_keys=True), flush=True)
+        else:
+            print(render_table(result.summary, rich=stdout_is_tty()), flush=True)
     if result.interrupted:
         say(f"interrupted at step {result.summary['steps']}: the summary covers the steps "
             "run so far")

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
+from contextlib import suppress
 
 from kvmetrics.cli.common import (
+    EXIT_OUTPUT,
     Command,
     check_output_path,
     clashing_paths,
     fail,
     read_json_file,
-    write_atomically,
+    write_output,
 )
 from kvmetrics.cli.soak import exit_code, print_report
+from kvmetrics.metrics import strict_json
 
 
 def _add(p: argparse.ArgumentParser) -> None:
@@ -47,9 +49,12 @@ def _run(args: argparse.Namespace) -> int:
     except SoakReportError as e:
         return fail(str(e))
     data = merged.as_dict()
-    if args.output:
-        write_atomically(args.output, json.dumps(data, indent=2) + "\n")
-    print_report(data, args.json)
+    # First, so that a failed write below loses no report; a terminal that hung up
+    # (EIO) must not stop the write either.
+    with suppress(OSError):
+        print_report(data, args.json)
+    if args.output and not write_output(args.output, strict_json.dumps(data, indent=2) + "\n"):
+        return EXIT_OUTPUT
     return exit_code(merged)
 
 

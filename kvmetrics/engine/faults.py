@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvmetrics.metrics import strict_json
+from kvmetrics.metrics.files import FileRefused, read_text
 from kvmetrics.metrics.text import short_repr, utf8_encodable
 
 
@@ -108,17 +110,17 @@ class FaultPlan:
     @classmethod
     def load(cls, path: str | Path) -> FaultPlan:
         try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as e:
-            raise FaultPlanError(f"cannot read fault plan {path}: {e.strerror}") from None
-        except UnicodeDecodeError as e:
-            raise FaultPlanError(f"fault plan {path}: not UTF-8 text (byte {e.start})") \
-                from None
+            # A regular file of bounded size: a FIFO or /dev/zero is refused, not read.
+            text = read_text(str(path), "fault plan")
+        except FileRefused as e:
+            raise FaultPlanError(str(e)) from None
         try:
-            data = json.loads(text)
+            data = strict_json.loads(text)
         except json.JSONDecodeError as e:
             raise FaultPlanError(f"fault plan {path}: bad JSON at line {e.lineno}: {e.msg}") \
                 from None
+        except strict_json.JSONRefused as e:
+            raise FaultPlanError(f"fault plan {path}: {e}") from None
         except RecursionError:
             raise FaultPlanError(f"fault plan {path}: JSON nested too deeply") from None
         return cls.from_dict(data)

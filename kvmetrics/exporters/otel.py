@@ -15,8 +15,12 @@ the ``instance`` label; ``OTEL_RESOURCE_ATTRIBUTES`` can override it).
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import socket
+import threading
+import time
 from collections.abc import Sequence
 
 from opentelemetry.metrics import Meter
@@ -29,6 +33,13 @@ from kvmetrics.metrics.catalogue import ALL_METRICS, MetricSpec
 from kvmetrics.metrics.events import GaugeReadings
 
 _UNITS = {"seconds": "s", "ratio": "1", "": ""}
+#: The most a process's exit waits for its last OTLP push. The SDK's own shutdown
+#: waits up to 30 s, and the HTTP exporter retries an unresponsive collector with
+#: backoff: about 33 s were measured added to every exit. Metrics must never hold up
+#: a stopping engine that long.
+SHUTDOWN_TIMEOUT_S = 3.0
+
+log = logging.getLogger("kvmetrics.exporters.otel")
 
 
 def otel_unit(spec: MetricSpec) -> str:
@@ -113,3 +124,30 @@ def otlp_reader(endpoint: str, interval_ms: int = 5000, timeout_s: float = 5.0) 
 
 def sink_for(provider: MeterProvider) -> OTelSink:
     return OTelSink(provider.get_meter("kvmetrics", __version__))
+
+
+def shutdown_provider(provider: MeterProvider, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+    """Shut ``provider`` down (its last push included) within about ``timeout_s``; False
+    when the push was cut off (the collector did not answer in time: the caller says so).
+
+    The SDK is given ``timeout_s`` but bounds its shutdown only loosely (its exporter
+    may retry past the deadline), so the shutdown runs in a daemon thread that is
+    abandoned half a second after the deadline; the SDK's exit hook is removed then,
+    or it would wait again at exit. A shutdown that ran to the deadline was cut by it,
+    whichever of the two gave up first."""
+    finished = threading.Event()
+
+    def stop() -> None:
+        try:
+            provider.shutdown(timeout_millis=timeout_s * 1000)
+        except Exception:  # a reader that failed: the SDK logged why
+            log.debug("OTLP shutdown failed", exc_info=True)
+        finally:
+            finished.set()
+
+    start = time.monotonic()
+    threading.Thread(target=stop, name="kvmetrics-otlp-shutdown", daemon=True).start()
+    if not finished.wait(timeout_s + 0.5):
+        atexit.unregister(provider.shutdown)
+        return False
+    return time.monotonic() - start < timeout_s

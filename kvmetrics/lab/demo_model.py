@@ -16,6 +16,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from kvmetrics.metrics.files import write_file
+
 TINY_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -84,19 +86,14 @@ def write_safetensors(tensors: dict[str, Any], path: Path) -> None:
         offset += len(data)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as out:
-        out.write(struct.pack("<Q", len(head)))
-        out.write(head)
-        for blob in blobs:
-            out.write(blob)
-    tmp.replace(path)
+    # The safe writer (a few MB): no predictable temp name, no device replaced.
+    write_file(str(path), b"".join([struct.pack("<Q", len(head)), head, *blobs]))
 
 
 def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
     """``config.json`` and ``model.safetensors`` in ``folder`` (kept if already there)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA, indent=1))
+    write_file(str(folder / "config.json"), json.dumps(TINY_LLAMA, indent=1))
     weights = folder / "model.safetensors"
     if not weights.exists():
         write_safetensors(tiny_llama_tensors(seed), weights)

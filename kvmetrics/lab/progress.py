@@ -8,6 +8,7 @@ terminal it draws nothing, so logs and piped output stay plain.
 from __future__ import annotations
 
 import time
+from contextlib import suppress
 from typing import Any
 
 
@@ -52,5 +53,8 @@ class Progress:
 
     def close(self) -> None:
         if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
+            bar, self._bar = self._bar, None
+            # After a hangup the terminal is gone: its last redraw fails with EIO, which
+            # must not replace the interrupt that is summarising and writing the run.
+            with suppress(OSError):
+                bar.stop()

@@ -104,7 +104,11 @@ def scheduler_config(cfg: LabConfig, items: list[WorkItem]) -> SchedulerConfig:
     """Size max_model_len to the workload and refuse requests the cache can never hold."""
     longest = 0
     usable = cfg.num_gpu_blocks - 1
+    ids: set[str] = set()
     for item in items:
+        if item.request_id in ids:  # an engine would refuse it mid-run, outputs unwritten
+            raise LabError(f"request id {item.request_id[:60]!r} is given twice")
+        ids.add(item.request_id)
         need = len(item.prompt) + (cfg.max_tokens or item.max_tokens)
         blocks = -(-need // cfg.block_size)
         if blocks > usable:
@@ -157,7 +161,8 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
     starts, while the metrics are still served (the CLI writes its outputs there).
 
     On an interrupt (KeyboardInterrupt) during the steps, ``on_finished`` sees the
-    result so far, with ``interrupted`` set, and the interrupt is raised again."""
+    result so far, with ``interrupted`` set, and the interrupt is raised again; on a
+    stall likewise, with the summary's ``stalled`` saying where, then EngineStalled."""
     narrator = narrator or Narrator()
     cfg.validate()
     if items is None:
@@ -204,7 +209,11 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
     finally:
         engine.close()
         if provider is not None:
-            provider.shutdown()
+            from kvmetrics.exporters.otel import SHUTDOWN_TIMEOUT_S, shutdown_provider
+
+            if not shutdown_provider(provider):
+                narrator.say(f"the OTLP collector at {cfg.otlp_endpoint} did not take the last "
+                             f"push within {SHUTDOWN_TIMEOUT_S:g} s; it was dropped")
         if server is not None:
             server.stop()
 
@@ -220,11 +229,11 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
     progress = Progress(len(items), enabled=cfg.progress)
     aborted: dict[str, int] = {}
     state = _LoopState()
-    interrupt: KeyboardInterrupt | None = None
+    interrupt: KeyboardInterrupt | EngineStalled | None = None
     try:
         _loop(cfg, items, instrumented, engine, timeline, progress, aborted, state)
-    except KeyboardInterrupt as e:
-        interrupt = e
+    except (KeyboardInterrupt, EngineStalled) as e:
+        interrupt = e  # the steps run so far are summarised and written, then it is raised
     finally:
         progress.close()
     summary = build_summary(pipeline.totals, engine=engine.kind, submitted=state.arrived,
@@ -235,7 +244,9 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
                                            getattr(runner, "attributions", ()), aborted)
     summary["violations"] = explain_violations(pipeline.violations, pipeline.totals)
     result = LabResult(summary, pipeline, prometheus, engine.findings, timeline, cfg)
-    if interrupt is not None:
+    if isinstance(interrupt, EngineStalled):
+        summary["stalled"] = str(interrupt)
+    elif interrupt is not None:
         result.interrupted = int(getattr(interrupt, "signum", signal.SIGINT))
         summary["interrupted"] = signal.Signals(result.interrupted).name
     if server is not None:

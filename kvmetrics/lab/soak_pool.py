@@ -28,38 +28,46 @@ TERMINATE_GRACE_S = 5.0
 
 
 def _worker(conn: Connection, run: Callable[[Any], Any], init: Callable[[], None]) -> None:
-    # The parent decides what an interrupt means: a Ctrl-C reaches the whole process
-    # group, and a worker must not print its own traceback for it.
+    # The parent decides what an interrupt means: a Ctrl-C or a hangup reaches the whole
+    # process group, and a worker must not print its own traceback for it (the parent
+    # then terminates it with SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     init()
     while True:
         try:
             task = conn.recv()
-        except EOFError:
-            return
+        except (EOFError, OSError):
+            return  # the parent is gone: nobody wants the result
         if task is None:
             return
-        conn.send(run(task))
+        result = run(task)
+        try:
+            conn.send(result)
+        except OSError:  # BrokenPipeError: the parent died (kill -9) while we ran
+            return
 
 
 class _Slot:
     def __init__(self, context: Any, run: Callable[[Any], Any], init: Callable[[], None]):
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_worker, args=(child, run, init), daemon=True)
-        # The worker starts with SIGINT ignored (an ignored signal stays ignored across
+        # The worker starts with SIGINT (and SIGHUP) ignored (an ignored signal stays ignored across
         # exec, and Python then installs no KeyboardInterrupt handler): a Ctrl-C, sent to
         # the whole process group, must not print a traceback from a worker that is
         # still starting up. The parent's own handler is back a moment later.
         try:
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT,
+                                                                      signal.SIGHUP)}
         except ValueError:  # not the main thread: signals are not ours to change
             self.process.start()
         else:
             try:
                 self.process.start()
             finally:
-                signal.signal(signal.SIGINT, previous)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
         child.close()
         self.index: int | None = None  # the task it holds
 

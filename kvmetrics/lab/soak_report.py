@@ -9,6 +9,7 @@ report one process would have written for the whole campaign; only
 
 from __future__ import annotations
 
+import hashlib
 import signal
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -16,9 +17,14 @@ from typing import Any
 
 from kvmetrics.engine.config import ACCOUNTINGS, RECOVERIES
 from kvmetrics.lab.config import VERIFY_MODES
+from kvmetrics.metrics import strict_json
 
-#: Bumped when the report's shape changes; a merge refuses other versions.
-REPORT_VERSION = 1
+#: Bumped when the report's shape changes; a merge refuses other versions
+#: (2: the ``digest`` field).
+REPORT_VERSION = 2
+#: No shard runs this long (ten years); a larger wall time is an edited report, and
+#: the sum over any number of shards stays a finite number.
+MAX_WALL_SECONDS = 10 * 365 * 24 * 3600.0
 COUNTS = ("invariant_violations", "guard_rejected_increments", "verification_failed_blocks",
           "errors")
 
@@ -134,7 +140,7 @@ class SoakReport:
 
     def as_dict(self) -> dict[str, Any]:
         seeds = self.seed_range()
-        return {
+        data = {
             "version": REPORT_VERSION,
             "campaign": self.campaign.as_dict(),
             "shard": None if self.shard is None or self.shard.count == 1 else str(self.shard),
@@ -148,6 +154,7 @@ class SoakReport:
             **({"interrupted": signal.Signals(self.interrupted).name}
                if self.interrupted else {}),
         }
+        return {**data, "digest": digest(data)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SoakReport:
@@ -164,7 +171,7 @@ class SoakReport:
                 raise SoakReportError(f"shard {shard} of {campaign.scenarios} scenarios is "
                                       "empty")
             report = cls(campaign, shard, scenarios=_count(data, "scenarios"),
-                         wall_seconds=float(data["wall_seconds"]),
+                         wall_seconds=_wall_seconds(data["wall_seconds"]),
                          failures=[_outcome(o) for o in data["failures"]],
                          **{key: _count(data, key) for key in COUNTS})
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -176,6 +183,7 @@ class SoakReport:
             raise SoakReportError(f"the report of shard {shard or '0/1'} was interrupted "
                                   f"({str(data['interrupted'])[:20]}); rerun that shard")
         report._check_consistent()
+        _check_digest(data)
         return report
 
     def _check_consistent(self) -> None:
@@ -218,11 +226,39 @@ def _check_campaign(c: Campaign) -> None:
     if not 1 <= c.scenarios <= _MAX_SCENARIOS:
         raise SoakReportError(f"campaign scenarios must be within 1..{_MAX_SCENARIOS:,}")
     if not c.engines or len(c.engines) > 16 or not all(
-            isinstance(e, str) and 0 < len(e) <= 40 for e in c.engines):
-        raise SoakReportError("campaign engines must be 1..16 names")
+            isinstance(e, str) and 0 < len(e) <= 40 and e.isprintable() for e in c.engines):
+        raise SoakReportError("campaign engines must be 1..16 names of printable characters")
     for mode, allowed in _MODES.items():
         if getattr(c, mode) not in allowed:
             raise SoakReportError(f"campaign {mode} must be one of {', '.join(allowed)}")
+
+
+def digest(data: dict[str, Any]) -> str:
+    """A SHA-256 over the report's content (every field but the digest), in a canonical
+    JSON spelling. It catches a shard edited by hand or by a script that does not
+    recompute it (failures removed, counts zeroed consistently); it is not a signature:
+    anyone who reads this function can recompute it (docs/soak.md)."""
+    body = {k: v for k, v in data.items() if k != "digest"}
+    text = strict_json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _check_digest(data: dict[str, Any]) -> None:
+    given = data.get("digest")
+    if not isinstance(given, str):
+        raise SoakReportError("the report has no digest (written by an older kvmetrics, or "
+                              "edited): rerun the shard")
+    if given != digest(data):
+        raise SoakReportError("the report's digest does not match its content: it was "
+                              "edited or damaged after the soak wrote it; rerun the shard")
+
+
+def _wall_seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not 0 <= value <= MAX_WALL_SECONDS:  # NaN fails both bounds
+        raise SoakReportError(f"wall_seconds must be a number from 0 to "
+                              f"{MAX_WALL_SECONDS:g}, got {repr(value)[:40]}")
+    return float(value)
 
 
 def _count(data: dict[str, Any], key: str) -> int:

@@ -26,6 +26,8 @@ from typing import Any
 
 from kvmetrics.engine.tokens import VOCAB_SIZE, BlockSeededTokens, ExplicitTokens, PromptTokens
 from kvmetrics.lab.workload import WorkItem
+from kvmetrics.metrics import strict_json
+from kvmetrics.metrics.files import FileRefused, open_regular
 from kvmetrics.metrics.text import utf8_encodable
 
 FORMATS = ("kvmetrics", "mooncake")
@@ -35,6 +37,10 @@ MOONCAKE_BLOCK_TOKENS = 512
 MAX_TOKENS = 10_000_000
 MAX_ARRIVAL_S = 365 * 24 * 3600.0
 MAX_ID_CHARS = 200
+#: A trace is streamed, so these bound what one line and the whole file may take: a
+#: 2 GB file of zeros (one endless line) is refused at its first line, not read whole.
+MAX_TRACE_BYTES = 2**30
+MAX_LINE_BYTES = 16 * 2**20
 #: Fields that only a Mooncake record has: a hint when one is read as kvmetrics JSONL.
 MOONCAKE_FIELDS = frozenset({"timestamp", "input_length", "hash_ids"})
 
@@ -49,38 +55,52 @@ def load_trace(path: str | Path, fmt: str = "kvmetrics",
         raise TraceError(f"unknown trace format {fmt!r} (choose from {', '.join(FORMATS)})")
     parse = _parse_kvmetrics if fmt == "kvmetrics" else _parse_mooncake
     items = []
+    first_line: dict[str, int] = {}
     for lineno, record in _records(Path(path)):
         if max_requests is not None and len(items) >= max_requests:
             break
-        items.append(parse(record, len(items), f"{path}:{lineno}"))
+        item = parse(record, len(items), f"{path}:{lineno}")
+        # Refused here, with both lines, not as an engine's error halfway through the run.
+        seen = first_line.setdefault(item.request_id, lineno)
+        if seen != lineno:
+            raise TraceError(f"{path}:{lineno}: duplicate request id "
+                             f"{item.request_id[:60]!r} (first on line {seen})")
+        items.append(item)
     if not items:
         raise TraceError(f"{path}: the trace holds no requests")
     return items
 
 
 def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The trace's JSON objects with their line numbers, read from a regular file (a FIFO
+    or /dev/zero is refused), each line at most MAX_LINE_BYTES."""
     try:
-        handle = path.open("r", encoding="utf-8")
-    except OSError as e:
-        raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+        handle = open_regular(str(path), "trace", MAX_TRACE_BYTES)
+    except FileRefused as e:
+        raise TraceError(str(e)) from None
     with handle:
         lineno = 0
-        try:
-            for lineno, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise TraceError(f"{path}:{lineno}: bad JSON ({e.msg})") from None
-                except RecursionError:
-                    raise TraceError(f"{path}:{lineno}: JSON nested too deeply") from None
-                if not isinstance(record, dict):
-                    raise TraceError(f"{path}:{lineno}: each line must be a JSON object")
-                yield lineno, record
-        except UnicodeDecodeError:
-            raise TraceError(f"{path}: not UTF-8 text (after line {lineno})") from None
-
+        while raw := handle.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise TraceError(f"{path}:{lineno}: line longer than {MAX_LINE_BYTES:,} bytes")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise TraceError(f"{path}:{lineno}: not UTF-8 text") from None
+            if not line.strip():
+                continue
+            try:
+                record = strict_json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TraceError(f"{path}:{lineno}: bad JSON ({e.msg})") from None
+            except strict_json.JSONRefused as e:
+                raise TraceError(f"{path}:{lineno}: {e}") from None
+            except RecursionError:
+                raise TraceError(f"{path}:{lineno}: JSON nested too deeply") from None
+            if not isinstance(record, dict):
+                raise TraceError(f"{path}:{lineno}: each line must be a JSON object")
+            yield lineno, record
 
 
 def _int(record: dict[str, Any], key: str, where: str, minimum: int = 0) -> int:

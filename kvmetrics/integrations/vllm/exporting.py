@@ -67,6 +67,7 @@ from kvmetrics.exporters.prometheus import (
     serve,
     tls_context,
 )
+from kvmetrics.metrics.files import FileRefused, write_file
 from kvmetrics.metrics.labels import check_label_value, model_label
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from kvmetrics.metrics.sink import MetricSink
@@ -202,7 +203,11 @@ class Exporter:
             self.server = None
         if self.otel_provider is not None:
             try:
-                self.otel_provider.shutdown()
+                from kvmetrics.exporters.otel import SHUTDOWN_TIMEOUT_S, shutdown_provider
+
+                if not shutdown_provider(self.otel_provider):
+                    log.warning("kvmetrics: the OTLP collector did not take the last push "
+                                "within %g s; it was dropped", SHUTDOWN_TIMEOUT_S)
             except Exception:
                 log.exception("kvmetrics: stopping the OTLP exporter failed")
             self.otel_provider = None
@@ -229,11 +234,11 @@ def _write_port_file(port: int) -> None:
     if not path:
         return
     try:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{port}\n")
-        os.replace(tmp, path)
-    except OSError as e:
+        # An exclusive temp file of a random name, renamed over the file: nothing planted
+        # at a predictable name (a link to /etc/passwd) can redirect the write, and a
+        # device or directory at PATH is refused rather than replaced.
+        write_file(path, f"{port}\n")
+    except (OSError, FileRefused) as e:
         log.error("kvmetrics: cannot write KVMETRICS_METRICS_PORT_FILE %s: %s", path, e)
 
 
