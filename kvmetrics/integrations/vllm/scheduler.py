@@ -56,8 +56,9 @@ from kvmetrics.integrations.vllm.helper_hooks import install_helper_wrappers
 from kvmetrics.integrations.vllm.hooks import argument
 from kvmetrics.integrations.vllm.protect import ProtectMixin
 from kvmetrics.integrations.vllm.recorder import StepRecorder
+from kvmetrics.integrations.vllm.selfcheck import SelfChecks
 from kvmetrics.metrics import catalogue as cat
-from kvmetrics.metrics.events import GaugeReadings, PoolSnapshot, StepEvents
+from kvmetrics.metrics.events import PoolSnapshot, StepEvents
 from kvmetrics.metrics.guard import CounterViolationError
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
@@ -122,6 +123,8 @@ class InstrumentedMixin:
         #: Hook faults since the last recorded step, and the hooks already logged.
         self._kv_errors: dict[str, int] = {}
         self._kv_logged: set[str] = set()
+        #: The request gauges from vLLM's own accessor, checked against kvmetrics' count.
+        self._kv_self_checks = SelfChecks()
         # Read through getattr: a vLLM without it is reported by the check below.
         policy = "recompute" if getattr(me, "recompute_kv_load_failures", True) else "fail"
         self._kv = StepRecorder(me.block_size, policy, me.connector is not None)
@@ -387,16 +390,8 @@ class InstrumentedMixin:
         if self._kv_holding_attr is None:
             return  # an attribute is missing: reported once at start, gauges absent
         me: Any = self
-        waiting_status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        holding = getattr(me, self._kv_holding_attr)
-        remote = sum(1 for r in holding if r.status == waiting_status)
-        events.gauges = GaugeReadings(
-            kv_cache_usage=me.kv_cache_manager.usage,
-            running=len(me.running),
-            waiting=len(me.waiting) + len(holding) - remote,
-            waiting_for_remote_kv=remote,
-            cache_blocks=me.kv_cache_manager.block_pool.num_gpu_blocks - 1,
-        )
+        events.gauges = self._kv_self_checks.gauges(me, self._kv_holding_attr, self._kv_step,
+                                                    events)
         pool = me.kv_cache_manager.block_pool
         if self._kv_step % POOL_AUDIT_EVERY and events.recovery_seconds is None:
             return
