@@ -228,8 +228,12 @@ SELF_CHECK_FAILURES = MetricSpec(
 BUILD_INFO = MetricSpec(
     "kvmetrics_build_info", "info",
     "kvmetrics version, the kind of engine it instruments, and its KV-load recovery: "
-    "vllm (vLLM's own) or evict (kvmetrics' protective fix). Value is always 1.",
-    open_labels=("version", "engine_kind", "recovery"),
+    "vllm (vLLM's own) or evict (kvmetrics' protective fix); on vLLM, the running vLLM "
+    "version, whether kvmetrics was verified on it (true: the version is listed and the "
+    "source of every vLLM function it depends on matches its fingerprint) and the ones "
+    "that differ (empty elsewhere). Value is always 1.",
+    open_labels=("version", "engine_kind", "recovery", "vllm_version", "vllm_verified",
+                 "vllm_fingerprints_differ"),
 )
 
 #: Counters whose increments are events an engine reports, each passing the guard.

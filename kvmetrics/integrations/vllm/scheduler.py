@@ -129,6 +129,11 @@ class InstrumentedMixin:
         policy = "recompute" if getattr(me, "recompute_kv_load_failures", True) else "fail"
         self._kv = StepRecorder(me.block_size, policy, me.connector is not None)
         self._kv_check_hooks()
+        verification = getattr(self, "kvmetrics_vllm", None)
+        if verification is not None and not verification.verified:
+            log.warning("kvmetrics: %s; kvmetrics was not verified on this vLLM code, so the "
+                        "figures that depend on it may be wrong (docs/vllm.md, verified "
+                        "versions)", verification.summary())
         try:
             install_helper_wrappers(self, self._kv_on, self._kv_call_guarded,
                                     self._kv_hook_failed)
@@ -137,6 +142,10 @@ class InstrumentedMixin:
         try:
             settings = settings_for(me.vllm_config)
             settings.recovery = getattr(self, "kvmetrics_recovery", "vllm")
+            verification = getattr(self, "kvmetrics_vllm", None)
+            if verification is not None:
+                settings.vllm = (verification.version, str(verification.verified).lower(),
+                                 ",".join(t.partition(":")[2] for t in verification.differing))
             if settings.export:
                 settings.absent_families = self._kv_disabled
                 self.kvmetrics_exporter = build_exporter(settings)
