@@ -366,6 +366,14 @@ def exporter_health() -> Panels:
             p.COUNT, f"sum by (hook) ({sel(c.INSTRUMENTATION_ERRORS.name)})",
             legend="{{hook}}", steps=p.ANY_IS_BAD, width=6, height=6,
         ),
+        p.single_stat(
+            "vLLM self-check failures",
+            "Figures kvmetrics derives from vLLM's internals that differed from vLLM's own "
+            "(e.g. its waiting count against get_request_counts()), in the last hour: this "
+            "vLLM's internals moved under kvmetrics. Runbook: KVMetricsSelfCheckFailing.",
+            p.COUNT, f"sum by (check) (increase({sel(c.SELF_CHECK_FAILURES.name)}[1h]))",
+            legend="{{check}}", steps=p.ANY_IS_BAD, width=6, height=6,
+        ),
         p.time_series(
             "kvmetrics overhead",
             "CPU time kvmetrics' own metrics work takes on each engine's scheduler thread, "

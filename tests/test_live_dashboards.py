@@ -170,6 +170,8 @@ def _oracles(s: dict[str, Any]) -> dict[tuple[str, str], Oracle]:
         ("Dropped series updates", "scrape: {{reason}}"): lambda *_: 0.0,
         # The lab's engine hooks no vLLM method; the series exist at zero.
         ("vLLM hooks out of action", "{{hook}}"): lambda *_: 0.0,
+        # Nor does it compare anything with vLLM's own figures; the series exist at zero.
+        ("vLLM self-check failures", "{{check}}"): lambda *_: 0.0,
         # Nor does it time hooks: only vLLM's instrumented scheduler adds CPU seconds.
         ("kvmetrics overhead", "{{instance}} engine {{engine}}"): lambda *_: 0.0,
     }

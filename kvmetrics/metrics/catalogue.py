@@ -96,6 +96,14 @@ HOOKS = (
     "kv_connector_output.invalid_block_ids", "kv_connector_output.finished_recving",
 )
 
+#: The instrumented scheduler's comparisons of a figure it derives from vLLM's internals
+#: with the one vLLM computes itself (kvmetrics/integrations/vllm/selfcheck.py).
+SELF_CHECKS = (
+    "requests_running",                # len(running) vs vLLM's get_request_counts()
+    "requests_waiting",                # kvmetrics' walk of vLLM's waiting queues vs vLLM's
+    "requests_waiting_for_remote_kv",  # requests awaiting remote KV <= vLLM's waiting count
+)
+
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one
 #: block fails and a cache-wide scan when thousands do.
 RECOVERY_BUCKETS: tuple[float, ...] = (
@@ -209,11 +217,23 @@ INSTRUMENTATION_CPU = MetricSpec(
     "vLLM's. rate() of it is the share of one core that observing costs.",
     unit="seconds",
 )
+SELF_CHECK_FAILURES = MetricSpec(
+    "kvmetrics_self_check_failures_total", "counter",
+    "Self-checks of the instrumented scheduler that found a figure kvmetrics derives "
+    "from vLLM's internals different from the one vLLM computes itself, by check, "
+    "counted each time one is run and fails (every few steps). Any increase means "
+    "this vLLM's internals moved under kvmetrics: its derived numbers are suspect.",
+    unit="failures", labels={"check": SELF_CHECKS},
+)
 BUILD_INFO = MetricSpec(
     "kvmetrics_build_info", "info",
     "kvmetrics version, the kind of engine it instruments, and its KV-load recovery: "
-    "vllm (vLLM's own) or evict (kvmetrics' protective fix). Value is always 1.",
-    open_labels=("version", "engine_kind", "recovery"),
+    "vllm (vLLM's own) or evict (kvmetrics' protective fix); on vLLM, the running vLLM "
+    "version, whether kvmetrics was verified on it (true: the version is listed and the "
+    "source of every vLLM function it depends on matches its fingerprint) and the ones "
+    "that differ (empty elsewhere). Value is always 1.",
+    open_labels=("version", "engine_kind", "recovery", "vllm_version", "vllm_verified",
+                 "vllm_fingerprints_differ"),
 )
 
 #: Counters whose increments are events an engine reports, each passing the guard.
@@ -232,6 +252,7 @@ EVENT_COUNTERS: tuple[MetricSpec, ...] = (
     KV_VERIFICATION_FAILED_BLOCKS,
     INSTRUMENTATION_ERRORS,
     INSTRUMENTATION_CPU,
+    SELF_CHECK_FAILURES,
 )
 
 GUARD_REJECTED_INCREMENTS = MetricSpec(

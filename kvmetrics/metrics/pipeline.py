@@ -36,6 +36,7 @@ class MetricsPipeline:
         engine: str = "0",
         engine_kind: str = "reference",
         recovery: str = "vllm",
+        vllm: tuple[str, str, str] = ("", "", ""),
         strict: bool = False,
         check_invariants: bool = True,
         absent: Collection[str] = (),
@@ -49,6 +50,8 @@ class MetricsPipeline:
         #: Whose recovery path the engine runs (build info), so that a fleet can tell
         #: replicas that change vLLM's decisions (evict) from those that only observe.
         self.recovery = recovery
+        #: On vLLM: its version, "true"/"false" (verified), the fingerprints that differ.
+        self.vllm = vllm
         self.strict = strict
         self.totals = Totals()
         #: The first MAX_KEPT_VIOLATIONS violations, in order (all are counted).
@@ -102,7 +105,7 @@ class MetricsPipeline:
     def _announce_to(self, sink: MetricSink) -> None:
         """Build info, and every bounded counter series at zero (see bounded_label_sets)."""
         self._safely(sink, "info", cat.BUILD_INFO, self.common + (__version__, self.engine_kind,
-                                                         self.recovery))
+                                                         self.recovery, *self.vllm))
         for spec in cat.COUNTERS:
             if spec.name in self.absent:
                 continue

@@ -34,6 +34,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvmetrics.integrations.vllm_lab import builder, canaries
+from kvmetrics.integrations.vllm_lab.compat import cpu_config_context, runner_output
 
 #: (synchronous, async) scheduler classes that create_scheduler builds.
 SCHEDULERS: tuple[type, type] = (Scheduler, AsyncScheduler)
@@ -51,18 +52,19 @@ def create_vllm_config(max_num_seqs: int = 16, max_num_batched_tokens: int = 64,
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs,
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len, is_encoder_decoder=False)
-    return VllmConfig(
-        model_config=ModelConfig(model=builder.model_dir(max_model_len),
-                                 skip_tokenizer_init=True, max_model_len=max_model_len,
-                                 dtype="float32", seed=42),
-        scheduler_config=scheduler_config,
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector=name, kv_connector_module_path=module, kv_role=kv_role,
-            kv_connector_extra_config=kv_connector_extra_config or {},
-            kv_load_failure_policy=kv_load_failure_policy),
-        device_config=DeviceConfig("cpu"),
-    )
+    with cpu_config_context():
+        return VllmConfig(
+            model_config=ModelConfig(model=builder.model_dir(max_model_len),
+                                     skip_tokenizer_init=True, max_model_len=max_model_len,
+                                     dtype="float32", seed=42),
+            scheduler_config=scheduler_config,
+            cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector=name, kv_connector_module_path=module, kv_role=kv_role,
+                kv_connector_extra_config=kv_connector_extra_config or {},
+                kv_load_failure_policy=kv_load_failure_policy),
+            device_config=DeviceConfig("cpu"),
+        )
 
 
 def create_scheduler(vllm_config: VllmConfig, num_blocks: int = 10000) -> Any:
@@ -98,7 +100,5 @@ def create_model_runner_output(reqs: list[Request], finished_recving: set[str] |
     if finished_recving is not None or invalid_block_ids is not None:
         kv_out = KVConnectorOutput(finished_recving=finished_recving,
                                    invalid_block_ids=invalid_block_ids or set())
-    return ModelRunnerOutput(req_ids=req_ids,
-                             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                             sampled_token_ids=[[token_id] for _ in req_ids],
-                             kv_connector_output=kv_out)
+    return runner_output(req_ids=req_ids, sampled_token_ids=[[token_id] for _ in req_ids],
+                         kv_connector_output=kv_out)

@@ -95,6 +95,9 @@ class ExportSettings:
     export: bool = True
     #: The recovery path the scheduler runs (``KVMETRICS_RECOVERY``), for the build info.
     recovery: str = "vllm"
+    #: The running vLLM for the build info: version, verified ("true"/"false"), the
+    #: fingerprints that differ from the verified record (comma-separated).
+    vllm: tuple[str, str, str] = ("", "", "")
     extra_sinks: list[MetricSink] = field(default_factory=list)
     tls: TLSOptions | None = None
     #: Families this vLLM cannot compute (an unusable hook): never on the page.
@@ -263,6 +266,7 @@ def build_exporter(settings: ExportSettings) -> Exporter:
             log.exception("kvmetrics: OTLP export to %s disabled", settings.otlp_endpoint)
     pipeline = MetricsPipeline(sinks, model_name=settings.model_name, engine=settings.engine,
                                engine_kind="vllm", recovery=settings.recovery,
+                               vllm=settings.vllm,
                                strict=settings.strict, absent=settings.absent_families)
     exporter = Exporter(pipeline, sink, otel_provider=provider)
     try:

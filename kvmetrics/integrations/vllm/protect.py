@@ -29,11 +29,16 @@ nothing else: observing never changes vLLM's decisions unless asked to.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from kvmetrics.integrations.vllm import fingerprints
+from kvmetrics.integrations.vllm.exporting import LOGGER
 from kvmetrics.integrations.vllm.hooks import Hook, argument, signature_problem, vllm_base
+
+log = logging.getLogger(LOGGER)
 
 RECOVERIES = ("vllm", "evict")
 
@@ -78,7 +83,16 @@ class ProtectMixin:
         self._protect_emptied: Any = None
         #: Requests that finished with steps in flight: [tokens in flight, block ids].
         self._protect_gone: dict[str, list[Any]] = {}
+        #: How this vLLM compares with the versions kvmetrics was verified on.
+        self.kvmetrics_vllm = fingerprints.check_safely()
         if self.kvmetrics_recovery == "evict":
+            refusal = fingerprints.protect_allowed(self.kvmetrics_vllm)
+            if refusal is not None:
+                raise RuntimeError(refusal)
+            if not (self.kvmetrics_vllm.verified and self.kvmetrics_vllm.protect_verified):
+                log.warning("kvmetrics: KVMETRICS_RECOVERY=evict runs on unverified vLLM code "
+                            "because %s=1: %s", fingerprints.ALLOW_UNVERIFIED,
+                            self.kvmetrics_vllm.summary())
             # Fail at startup, not at the first failed load, if vLLM's internals moved.
             managers = me.kv_cache_manager.coordinator.single_type_managers
             if len(managers) != 1 or not hasattr(managers[0], "num_cached_block") \

@@ -56,8 +56,9 @@ from kvmetrics.integrations.vllm.helper_hooks import install_helper_wrappers
 from kvmetrics.integrations.vllm.hooks import argument
 from kvmetrics.integrations.vllm.protect import ProtectMixin
 from kvmetrics.integrations.vllm.recorder import StepRecorder
+from kvmetrics.integrations.vllm.selfcheck import SelfChecks
 from kvmetrics.metrics import catalogue as cat
-from kvmetrics.metrics.events import GaugeReadings, PoolSnapshot, StepEvents
+from kvmetrics.metrics.events import PoolSnapshot, StepEvents
 from kvmetrics.metrics.guard import CounterViolationError
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
@@ -122,10 +123,17 @@ class InstrumentedMixin:
         #: Hook faults since the last recorded step, and the hooks already logged.
         self._kv_errors: dict[str, int] = {}
         self._kv_logged: set[str] = set()
+        #: The request gauges from vLLM's own accessor, checked against kvmetrics' count.
+        self._kv_self_checks = SelfChecks()
         # Read through getattr: a vLLM without it is reported by the check below.
         policy = "recompute" if getattr(me, "recompute_kv_load_failures", True) else "fail"
         self._kv = StepRecorder(me.block_size, policy, me.connector is not None)
         self._kv_check_hooks()
+        verification = getattr(self, "kvmetrics_vllm", None)
+        if verification is not None and not verification.verified:
+            log.warning("kvmetrics: %s; kvmetrics was not verified on this vLLM code, so the "
+                        "figures that depend on it may be wrong (docs/vllm.md, verified "
+                        "versions)", verification.summary())
         try:
             install_helper_wrappers(self, self._kv_on, self._kv_call_guarded,
                                     self._kv_hook_failed)
@@ -134,6 +142,10 @@ class InstrumentedMixin:
         try:
             settings = settings_for(me.vllm_config)
             settings.recovery = getattr(self, "kvmetrics_recovery", "vllm")
+            verification = getattr(self, "kvmetrics_vllm", None)
+            if verification is not None:
+                settings.vllm = (verification.version, str(verification.verified).lower(),
+                                 ",".join(t.partition(":")[2] for t in verification.differing))
             if settings.export:
                 settings.absent_families = self._kv_disabled
                 self.kvmetrics_exporter = build_exporter(settings)
@@ -387,16 +399,8 @@ class InstrumentedMixin:
         if self._kv_holding_attr is None:
             return  # an attribute is missing: reported once at start, gauges absent
         me: Any = self
-        waiting_status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        holding = getattr(me, self._kv_holding_attr)
-        remote = sum(1 for r in holding if r.status == waiting_status)
-        events.gauges = GaugeReadings(
-            kv_cache_usage=me.kv_cache_manager.usage,
-            running=len(me.running),
-            waiting=len(me.waiting) + len(holding) - remote,
-            waiting_for_remote_kv=remote,
-            cache_blocks=me.kv_cache_manager.block_pool.num_gpu_blocks - 1,
-        )
+        events.gauges = self._kv_self_checks.gauges(me, self._kv_holding_attr, self._kv_step,
+                                                    events)
         pool = me.kv_cache_manager.block_pool
         if self._kv_step % POOL_AUDIT_EVERY and events.recovery_seconds is None:
             return

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.integrations.vllm_lab.compat import cpu_config_context
 
 #: Import path of the built-in connector (vLLM imports it again by this name).
 CONNECTOR_MODULE = "kvmetrics.integrations.vllm_lab.store_connector"
@@ -71,6 +72,7 @@ def build_vllm_config(
     scheduler_cls: str | type | None = None,
     connector: ConnectorSpec | None = None,
     kvmetrics_settings: dict[str, Any] | None = None,
+    scheduler_options: dict[str, Any] | None = None,
 ) -> Any:
     """A :class:`vllm.config.VllmConfig` equivalent to the reference ``config``.
 
@@ -82,7 +84,8 @@ def build_vllm_config(
     that ``max_concurrent_batches`` is 2 and a ``kv_both`` connector defers block
     frees. ``kvmetrics_settings`` lands in ``additional_config["kvmetrics"]``,
     where the instrumented scheduler reads its settings (see
-    :mod:`kvmetrics.integrations.vllm.exporting`).
+    :mod:`kvmetrics.integrations.vllm.exporting`). ``scheduler_options`` are more of
+    vLLM's own ``SchedulerConfig`` fields (e.g. 0.34's ``max_num_inflight_kv_loads``).
     """
     from vllm.config import (
         CacheConfig,
@@ -111,6 +114,7 @@ def build_vllm_config(
     )
     if scheduler_cls is not None:
         sched_kwargs["scheduler_cls"] = scheduler_cls
+    sched_kwargs.update(scheduler_options or {})
     cache_config = CacheConfig(block_size=config.block_size,
                                enable_prefix_caching=config.enable_prefix_caching)
     kv_transfer = None
@@ -122,15 +126,16 @@ def build_vllm_config(
             kv_load_failure_policy=config.kv_load_failure_policy,
             kv_connector_extra_config=dict(connector.extra),
         )
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=VllmSchedulerConfig(**sched_kwargs),
-        cache_config=cache_config,
-        kv_transfer_config=kv_transfer,
-        device_config=DeviceConfig("cpu"),
-        additional_config=({"kvmetrics": dict(kvmetrics_settings)}
-                           if kvmetrics_settings is not None else {}),
-    )
+    with cpu_config_context():
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            scheduler_config=VllmSchedulerConfig(**sched_kwargs),
+            cache_config=cache_config,
+            kv_transfer_config=kv_transfer,
+            device_config=DeviceConfig("cpu"),
+            additional_config=({"kvmetrics": dict(kvmetrics_settings)}
+                               if kvmetrics_settings is not None else {}),
+        )
     vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks
     vllm_config.scheduler_config.async_scheduling = config.async_scheduling
     return vllm_config
@@ -154,12 +159,14 @@ def build_scheduler(
     connector: ConnectorSpec | None = None,
     log_stats: bool = True,
     kvmetrics_settings: dict[str, Any] | None = None,
+    scheduler_options: dict[str, Any] | None = None,
 ) -> Any:
     """vLLM's scheduler (or ``scheduler_cls``) built the way EngineCore builds it."""
     from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config = build_vllm_config(config, scheduler_cls=scheduler_cls, connector=connector,
-                                    kvmetrics_settings=kvmetrics_settings)
+                                    kvmetrics_settings=kvmetrics_settings,
+                                    scheduler_options=scheduler_options)
     cls = vllm_config.scheduler_config.get_scheduler_cls()
     return cls(
         vllm_config=vllm_config,

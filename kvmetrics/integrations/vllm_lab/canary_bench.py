@@ -71,6 +71,11 @@ class ScriptedConnector(KVConnectorBase_V1):
         extra = max(tokens - num_computed_tokens, 0)
         return extra, load_async and extra > 0
 
+    def may_load_async(self, request: Any) -> bool:
+        """Whether this request's offer is an async load (vLLM 0.34 asks, with
+        ``max_num_inflight_kv_loads`` set, as a request enters the waiting queues)."""
+        return self.offers.get(request.request_id, (0, False))[1]
+
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         return None
@@ -143,16 +148,16 @@ class Bench:
     def update(self, step: Step, *, invalid: Iterable[int] = (),
                finished_recving: Iterable[str] = ()) -> None:
         """Hand the step's output to the scheduler; ``invalid`` blocks failed to load."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
+
+        from kvmetrics.integrations.vllm_lab.compat import runner_output
 
         invalid, recving = set(invalid), set(finished_recving)
         kv_out = (KVConnectorOutput(invalid_block_ids=invalid,
                                     finished_recving=recving or None)
                   if invalid or recving else None)
-        self.sched.update_from_output(step.out, ModelRunnerOutput(
-            req_ids=step.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
-            sampled_token_ids=step.sampled, kv_connector_output=kv_out))
+        self.sched.update_from_output(step.out, runner_output(
+            req_ids=step.req_ids, sampled_token_ids=step.sampled, kv_connector_output=kv_out))
 
     def step(self, **failures: Any) -> Any:
         """Lockstep: schedule, execute, update; returns vLLM's scheduler output."""
@@ -170,8 +175,10 @@ class Step:
 
 def bench(policy: str = "recompute", num_gpu_blocks: int = 64, *, async_scheduling: bool = False,
           long_prefill_token_threshold: int = 0, max_model_len: int = 1024,
-          max_num_batched_tokens: int = 256) -> Bench:
-    """vLLM's own scheduler with the scripted connector (``kv_both``) and vLLM's defaults."""
+          max_num_batched_tokens: int = 256,
+          scheduler_options: dict[str, Any] | None = None) -> Bench:
+    """vLLM's own scheduler with the scripted connector (``kv_both``) and vLLM's defaults
+    (``scheduler_options``: more of vLLM's ``SchedulerConfig`` fields)."""
     from kvmetrics.engine.config import SchedulerConfig
     from kvmetrics.integrations.vllm_lab import builder
 
@@ -184,7 +191,8 @@ def bench(policy: str = "recompute", num_gpu_blocks: int = 64, *, async_scheduli
     sched = builder.build_scheduler(
         config, connector=connector,
         scheduler_cls=_target.async_scheduler if async_scheduling else _target.scheduler,
-        kvmetrics_settings=dict(_target.kvmetrics_settings) or None)
+        kvmetrics_settings=dict(_target.kvmetrics_settings) or None,
+        scheduler_options=scheduler_options)
     if not isinstance(sched.connector, ScriptedConnector):
         raise ScenarioError("vLLM did not build the scripted connector")
     return Bench(sched, builder.block_hasher_for(sched.vllm_config))

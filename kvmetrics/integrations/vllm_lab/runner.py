@@ -15,13 +15,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.outputs import ModelRunnerOutput as VllmRunnerOutput
 
 from kvmetrics.engine.outputs import (
     BlockSave,
     ModelRunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
+)
+from kvmetrics.integrations.vllm_lab.compat import (
+    new_request_outputs,
+    resumed_req_ids,
+    runner_output,
 )
 
 
@@ -54,9 +58,10 @@ class WorkerState:
         for new in out.scheduled_new_reqs:
             self.block_tables[new.req_id] = list(new.block_ids[0])
         cached = out.scheduled_cached_reqs
+        resumed = resumed_req_ids(cached)
         for i, rid in enumerate(cached.req_ids):
             ids = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
+            if rid in resumed:
                 self.block_tables[rid] = list(ids[0]) if ids is not None else []
             elif ids is not None:
                 self.block_tables.setdefault(rid, []).extend(ids[0])
@@ -72,7 +77,9 @@ def convert_output(out: Any, step: int, worker: WorkerState, requests: dict[str,
     worker.apply(out)
     before: dict[str, int] = {new.req_id: new.num_computed_tokens
                               for new in out.scheduled_new_reqs}
-    outputs: dict[str, int] = {new.req_id: 0 for new in out.scheduled_new_reqs}
+    outputs: dict[str, int] = {
+        new.req_id: new_request_outputs(new, requests[new.req_id].num_prompt_tokens)
+        for new in out.scheduled_new_reqs}
     cached = out.scheduled_cached_reqs
     for i, rid in enumerate(cached.req_ids):
         before[rid] = cached.num_computed_tokens[i]
@@ -104,9 +111,8 @@ def convert_result(out: Any, result: ModelRunnerOutput) -> Any:
     if result.invalid_block_ids or result.finished_recving:
         kv_out = KVConnectorOutput(finished_recving=set(result.finished_recving) or None,
                                    invalid_block_ids=set(result.invalid_block_ids))
-    return VllmRunnerOutput(
+    return runner_output(
         req_ids=req_ids,
-        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
         sampled_token_ids=[list(result.sampled_token_ids.get(rid, ())) for rid in req_ids],
         kv_connector_output=kv_out,
     )

@@ -1,0 +1,119 @@
+"""Request-count gauges from vLLM's own accessor, and the checks that notice drift.
+
+vLLM says how many requests it has running and waiting (``Scheduler.get_request_counts()``)
+and how full its cache is (``Scheduler.get_kv_cache_usage()``): the gauges take those
+numbers from vLLM wherever it has them, so a queue vLLM adds (0.34's ``async_kv_waiting``,
+behind ``--max-num-inflight-kv-loads``) is counted without kvmetrics knowing about it.
+Only the split kvmetrics adds, requests waiting for remote KV, is read from vLLM's
+queues: vLLM has no figure of its own for it.
+
+The self-checks compare what kvmetrics derives from vLLM's internals (its own walk of the
+queues it knows) with the figure vLLM computes, every :data:`SELF_CHECK_EVERY` steps: a
+handful of ``len()`` calls. A mismatch means a vLLM whose internals moved under
+kvmetrics (a new release, a fork, a patch): it is counted in
+``kvmetrics_self_check_failures_total{check}`` each time it is seen, and logged once per
+check with both values. The checks never change what vLLM does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from kvmetrics.integrations.vllm.exporting import LOGGER
+from kvmetrics.metrics import catalogue as cat
+from kvmetrics.metrics.events import GaugeReadings, StepEvents
+
+log = logging.getLogger(LOGGER)
+
+#: Steps between two self-checks (each is a few ``len()`` calls and two vLLM accessors).
+SELF_CHECK_EVERY = 8
+
+#: Queues of waiting requests kvmetrics knows, by the vLLM attribute names they had;
+#: one that a vLLM does not have counts as empty there (``async_kv_waiting`` is 0.34's).
+EXTRA_WAITING_QUEUES = ("async_kv_waiting",)
+
+
+@dataclass(frozen=True)
+class RequestCounts:
+    """Requests running and waiting (all waiting ones, remote KV included), as vLLM counts."""
+
+    running: int
+    waiting: int
+
+
+def derived_request_counts(scheduler: Any, holding_attr: str) -> RequestCounts:
+    """kvmetrics' own count, from the vLLM queues it knows (the self-check's side)."""
+    waiting = len(scheduler.waiting) + len(getattr(scheduler, holding_attr))
+    for name in EXTRA_WAITING_QUEUES:
+        waiting += len(getattr(scheduler, name, ()))
+    return RequestCounts(len(scheduler.running), waiting)
+
+
+def vllm_request_counts(scheduler: Any) -> RequestCounts | None:
+    """vLLM's own ``get_request_counts()``; None on a vLLM without it."""
+    accessor = getattr(scheduler, "get_request_counts", None)
+    if accessor is None:
+        return None
+    running, waiting = accessor()
+    return RequestCounts(int(running), int(waiting))
+
+
+def vllm_kv_cache_usage(scheduler: Any) -> float:
+    """vLLM's own ``get_kv_cache_usage()``, or the cache manager's ``usage`` it returns."""
+    accessor = getattr(scheduler, "get_kv_cache_usage", None)
+    if accessor is not None:
+        return float(accessor())
+    return float(scheduler.kv_cache_manager.usage)
+
+
+def remote_kv_waiting(scheduler: Any, holding_attr: str) -> int:
+    """Requests whose KV is still arriving (in vLLM's queue of requests holding KV)."""
+    status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    return sum(1 for r in getattr(scheduler, holding_attr) if r.status == status)
+
+
+class SelfChecks:
+    """Reads the gauges, and on its cadence compares kvmetrics' figures with vLLM's.
+
+    A vLLM accessor that raises is a fault of the gauges' hook like any other (the
+    scheduler counts it in ``kvmetrics_instrumentation_errors_total`` and the step's
+    gauges are absent); vLLM calls the same accessor itself every step.
+    """
+
+    def __init__(self) -> None:
+        self.logged: set[str] = set()
+
+    def gauges(self, scheduler: Any, holding_attr: str, step: int,
+               events: StepEvents) -> GaugeReadings:
+        """The step's gauges; runs the checks every :data:`SELF_CHECK_EVERY` steps."""
+        ours = derived_request_counts(scheduler, holding_attr)
+        theirs = vllm_request_counts(scheduler)
+        counts = theirs if theirs is not None else ours
+        remote = remote_kv_waiting(scheduler, holding_attr)
+        if theirs is not None and step % SELF_CHECK_EVERY == 0:
+            self.compare(events, "requests_running", ours.running, theirs.running)
+            self.compare(events, "requests_waiting", ours.waiting, theirs.waiting)
+            if remote > theirs.waiting:
+                self.compare(events, "requests_waiting_for_remote_kv", remote, theirs.waiting)
+        return GaugeReadings(
+            kv_cache_usage=vllm_kv_cache_usage(scheduler),
+            running=counts.running,
+            waiting=max(0, counts.waiting - remote),
+            waiting_for_remote_kv=remote,
+            cache_blocks=scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+        )
+
+    def compare(self, events: StepEvents, check: str, ours: float, theirs: float) -> None:
+        """Count (and log once) a figure of kvmetrics that differs from vLLM's."""
+        if ours == theirs:
+            return
+        events.count(cat.SELF_CHECK_FAILURES, 1, check)
+        if check not in self.logged:
+            self.logged.add(check)
+            log.warning("kvmetrics self-check %s failed: kvmetrics derives %s from vLLM's "
+                        "internals, vLLM itself says %s; this vLLM differs from the versions "
+                        "kvmetrics was verified on (docs/runbook.md)", check, ours, theirs)
