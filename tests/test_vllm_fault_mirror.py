@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
-import logging
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from vllm.config.kv_transfer import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, supports_hma
+from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
-from kvmetrics.integrations.vllm import fault_mirror, faults
+from kvmetrics.integrations.vllm import fault_interface, fault_mirror, faults
 from kvmetrics.integrations.vllm.faults import FaultConfigError, FaultInjectingConnector
 
 MODULE = "kvmetrics.integrations.vllm.faults"
@@ -75,7 +74,8 @@ def test_the_wrapper_class_answers_like_the_inner_class(name: str) -> None:
     assert supports_hma(cls) == supports_hma(inner)
     assert KVConnectorFactory.supports_hma_config(wrapped(name)) == \
         KVConnectorFactory.supports_hma_config(stock(name))
-    assert fault_mirror.capabilities(cls) == fault_mirror.capabilities(inner)
+    assert fault_interface.interfaces(cls) == fault_interface.interfaces(inner)
+    assert fault_interface.unmirrored(cls, inner) == []
     assert not cls.__abstractmethods__
     assert cls._cache_hit_source == inner._cache_hit_source
     # The stats class the API server rebuilds the workers' data with.
@@ -150,18 +150,3 @@ def test_a_mirrored_class_names_its_inner_connector() -> None:
         faults.FaultInjectingNoSuchConnector  # noqa: B018
     with pytest.raises(AttributeError, match="MultiConnector cannot be mirrored"):
         faults.FaultInjectingMultiConnector  # noqa: B018
-
-
-def test_the_plain_wrapper_says_what_vllm_cannot_see(caplog: pytest.LogCaptureFixture) -> None:
-    inner = inner_class("NixlConnector")
-    settings = FaultInjectingConnector.parse({"inner_connector": "NixlConnector"})
-    fault_mirror._warned_unmirrored.discard(inner.__name__)
-    caplog.set_level(logging.WARNING, logger="vllm.kvmetrics.faults")
-    fault_mirror.warn_if_not_mirrored(FaultInjectingConnector, inner, settings)
-    fault_mirror.warn_if_not_mirrored(FaultInjectingConnector, inner, settings)  # once
-    mirrored = fault_mirror.mirrored_connector("NixlConnector")
-    fault_mirror.warn_if_not_mirrored(mirrored, inner, settings)
-    warned = [r.getMessage() for r in caplog.records if r.name == "vllm.kvmetrics.faults"]
-    assert len(warned) == 1, warned
-    assert "SupportsHMA" in warned[0] and '"FaultInjectingNixlConnector"' in warned[0]
-    assert issubclass(FaultInjectingConnector, KVConnectorBase_V1)

@@ -71,13 +71,23 @@ def nixl_transfer(policy: str = "recompute", wrapped: dict[str, Any] | None = No
     return config
 
 
+#: vLLM's CPU backend pins each worker's threads by default (``VLLM_CPU_OMP_THREADS_BIND``
+#: ``auto``): in both servers the same way, the main thread to one core and every other
+#: thread, NIXL's busy thread included, to the other, where they starve each other and
+#: the kernel cannot move them to an idle core (docs/connectors.md, "NIXL on two CPU
+#: cores"). Unpinned, one OpenMP thread that sleeps when idle: the kernel places them.
+CPU_THREADS = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+               "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def pd_specs(prefill_transfer: dict | None = None, decode_transfer: dict | None = None,
              **common: Any) -> tuple[ServerSpec, ServerSpec]:
-    """Specs of a prefill and a decode server, each with its own NIXL side channel."""
+    """Specs of a prefill and a decode server, each with its own NIXL side channel and
+    its threads unpinned (:data:`CPU_THREADS`)."""
     specs = []
     for transfer in (prefill_transfer or nixl_transfer(), decode_transfer or nixl_transfer()):
         env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+               "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), **CPU_THREADS}
         specs.append(ServerSpec(kv_transfer=transfer, env=env, **common))
     return specs[0], specs[1]
 

@@ -1,15 +1,25 @@
 """The ``FaultInjecting<connector>`` classes: FaultInjectingConnector mirroring one
-connector registered with vLLM.
+connector class.
 
 vLLM asks the connector *class* (found by name in each process, the API server
 included, which never builds a connector) whether the hybrid KV cache manager may
 stay on, which stats class rebuilds transfer stats, where hits come from. The plain
 wrapper cannot answer for a connector named only in its extra config, so each
-registered connector gets a subclass named after it that declares the same
-optional interfaces (vLLM's ``Supports*`` mixins) and gives the inner class's
-answers. vLLM's factory finds it as an attribute of
-:mod:`kvmetrics.integrations.vllm.faults` (its module ``__getattr__`` calls
-:func:`resolve`), so the same class exists in every process.
+connector gets a subclass named after it that declares the same interfaces (vLLM's
+``Supports*`` mixins, and any other non-connector class in the inner class's MRO,
+:func:`~kvmetrics.integrations.vllm.fault_interface.interfaces`), forwards their
+methods to the inner connector and gives the inner class's class-level answers.
+
+* A connector registered with vLLM: ``FaultInjecting<registered name>``, found by
+  vLLM's factory as an attribute of :mod:`kvmetrics.integrations.vllm.faults` (its
+  module ``__getattr__`` calls :func:`resolve`), so the same class exists in every
+  process.
+* A connector from a module of one's own: ``FaultInjectingMyConnector =
+  fault_injecting(MyConnector)`` in that module, named with
+  ``kv_connector_module_path`` as vLLM names any external connector.
+
+The plain wrapper refuses to start around a connector it would hide something of
+(:func:`refuse_unmirrored`), with the name of the class to use.
 
 Not mirrored: vLLM's checks of the connector's *name* (``has_connector("NixlConnector")``:
 decode context parallelism, Mamba conv-state layout, routed experts), and
@@ -18,36 +28,37 @@ decode context parallelism, Mamba conv-state layout, routed experts), and
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 from kvmetrics.integrations.vllm import faults
-from kvmetrics.integrations.vllm.fault_plan import FaultSettings
-from kvmetrics.integrations.vllm.faults import FaultInjectingConnector, log
+from kvmetrics.integrations.vllm.fault_interface import (
+    forwarder,
+    interfaces,
+    overridden_data,
+    unmirrored,
+)
+from kvmetrics.integrations.vllm.fault_plan import FaultSettings, fail
+from kvmetrics.integrations.vllm.faults import FaultInjectingConnector
 
 #: Prefix of the mirrored classes' names: ``FaultInjecting`` + vLLM's registered name.
 MIRROR_PREFIX = "FaultInjecting"
 _mirrors: dict[str, type[FaultInjectingConnector]] = {}
 
 
-def capabilities(connector_cls: type) -> tuple[type, ...]:
-    """The optional interfaces (vLLM's ``Supports*`` mixins) a connector class declares:
-    every class in its MRO from vLLM's connector package that is not a connector."""
-    return tuple(c for c in connector_cls.__mro__
-                 if c.__module__.startswith("vllm.distributed.kv_transfer")
-                 and not issubclass(c, KVConnectorBase_V1))
-
-
-def _mixin_forwarders(mixins: tuple[type, ...]) -> dict[str, Any]:
-    """Concrete methods for the mixins' abstract ones, asking the inner connector."""
+def _interface_forwarders(mixins: tuple[type, ...]) -> dict[str, Any]:
+    """The interfaces' public methods and properties, asking the inner connector: a
+    mixin's own code would run on the wrapper's state, not the inner connector's."""
     methods: dict[str, Any] = {}
     for mixin in mixins:
-        for name in getattr(mixin, "__abstractmethods__", ()):
-            if name == "request_finished_all_groups":
+        for name, member in vars(mixin).items():
+            if name.startswith("_") or name == "request_finished_all_groups":
                 continue  # the wrapper's own, below
-            methods[name] = faults._forwarder(name, getattr(mixin, name))
+            if isinstance(member, property) or inspect.isfunction(member):
+                methods.setdefault(name, forwarder(name, member))
     return methods
 
 
@@ -59,12 +70,31 @@ def _request_finished_all_groups(self: FaultInjectingConnector, request: Any,
     return self._inner.request_finished_all_groups(request, block_ids)
 
 
+def _build(inner: type[KVConnectorBase_V1], name: str, wrapped_name: str,
+           wrapped_module: str | None, module: str) -> type[FaultInjectingConnector]:
+    mixins = interfaces(inner)
+    namespace: dict[str, Any] = {
+        "__module__": module, "__qualname__": name,
+        "__doc__": f"FaultInjectingConnector around {inner.__name__}, with its interfaces.",
+        "_wrapped_name": wrapped_name, "_wrapped_module": wrapped_module,
+        # The API server never builds a connector: answer from the class itself.
+        "build_kv_connector_stats": classmethod(
+            lambda cls, data=None: inner.build_kv_connector_stats(data)),
+        **_interface_forwarders(mixins),
+        **overridden_data(inner),  # e.g. _cache_hit_source
+    }
+    if any(hasattr(m, "request_finished_all_groups") for m in mixins):
+        namespace["request_finished_all_groups"] = _request_finished_all_groups
+    return type(name, (FaultInjectingConnector, *mixins), namespace)
+
+
 def mirrored_connector(inner_name: str) -> type[FaultInjectingConnector]:
     """``FaultInjectingConnector`` for vLLM's registered connector ``inner_name``: a
-    subclass declaring the inner class's optional interfaces and answering vLLM's
-    class-level questions (stats class, hit source) with the inner class's answers.
-    Built once per process on first lookup; reachable as ``FaultInjecting<inner_name>``
-    in this module, so vLLM's factory finds it by name in every process."""
+    subclass declaring the inner class's interfaces and answering vLLM's class-level
+    questions (stats class, hit source) with the inner class's answers. Built once
+    per process on first lookup; reachable as ``FaultInjecting<inner_name>`` in
+    :mod:`kvmetrics.integrations.vllm.faults`, so vLLM's factory finds it by name in
+    every process."""
     cached = _mirrors.get(inner_name)
     if cached is not None:
         return cached
@@ -74,23 +104,25 @@ def mirrored_connector(inner_name: str) -> type[FaultInjectingConnector]:
     if inner_name == "MultiConnector":
         # Its HMA support depends on its children, which vLLM asks by name.
         raise ValueError("MultiConnector cannot be mirrored; wrap its children instead")
-    mixins = capabilities(inner)
-    name = MIRROR_PREFIX + inner_name
-    namespace: dict[str, Any] = {
-        "__module__": faults.__name__, "__qualname__": name,
-        "__doc__": f"FaultInjectingConnector around {inner_name}, with its interfaces.",
-        "_wrapped_name": inner_name,
-        "build_kv_connector_stats": classmethod(
-            lambda cls, data=None: inner.build_kv_connector_stats(data)),
-        **_mixin_forwarders(mixins),
-    }
-    if "_cache_hit_source" in dir(inner):
-        namespace["_cache_hit_source"] = inner._cache_hit_source
-    if any(hasattr(m, "request_finished_all_groups") for m in mixins):
-        namespace["request_finished_all_groups"] = _request_finished_all_groups
-    cls = type(name, (FaultInjectingConnector, *mixins), namespace)
+    cls = _build(inner, MIRROR_PREFIX + inner_name, inner_name, None, faults.__name__)
     _mirrors[inner_name] = cls
     return cls
+
+
+def fault_injecting(inner: type[KVConnectorBase_V1]) -> type[FaultInjectingConnector]:
+    """The mirrored wrapper of a connector class that is not registered with vLLM.
+    Assign it in the connector's own module under its name, and name it as vLLM names
+    any external connector::
+
+        FaultInjectingMyConnector = fault_injecting(MyConnector)  # in my_module
+
+        --kv-transfer-config '{"kv_connector": "FaultInjectingMyConnector",
+          "kv_connector_module_path": "my_module", ...}'
+    """
+    if not (isinstance(inner, type) and issubclass(inner, KVConnectorBase_V1)):
+        raise TypeError(f"{inner!r} is not a v1 KV connector class")
+    name = MIRROR_PREFIX + inner.__name__
+    return _build(inner, name, inner.__name__, inner.__module__, inner.__module__)
 
 
 def resolve(name: str) -> Any:
@@ -106,24 +138,39 @@ def resolve(name: str) -> Any:
     raise AttributeError(f"module {faults.__name__!r} has no attribute {name!r}")
 
 
-_warned_unmirrored: set[str] = set()
+def _registered_as(inner: type, name: str) -> bool:
+    """Whether vLLM's factory registers ``inner`` under ``name`` (loaded by module path)."""
+    try:
+        return KVConnectorFactory.get_connector_class_by_name(name) is inner
+    except Exception:
+        return False
 
 
-def warn_if_not_mirrored(wrapper: type, inner: type, settings: FaultSettings) -> None:
-    """Say once when vLLM sees fewer interfaces than the inner connector declares."""
-    missing = [c.__name__ for c in capabilities(inner) if not issubclass(wrapper, c)]
-    plain_stats = inner.build_kv_connector_stats.__func__ is \
-        KVConnectorBase_V1.build_kv_connector_stats.__func__
-    if wrapper._wrapped_name is not None or (not missing and plain_stats):
+def refuse_unmirrored(wrapper: type[FaultInjectingConnector], inner: type,
+                      settings: FaultSettings) -> None:
+    """Raise FaultConfigError (one line) when vLLM would not see all of ``inner`` through
+    ``wrapper``, naming the class that mirrors it. vLLM would treat the wrapper as a
+    different connector and decide differently; with NIXL every transfer then failed
+    on a compatibility hash mismatch, a rehearsal turned into an outage."""
+    lost = unmirrored(wrapper, inner)
+    if not lost:
         return
-    if inner.__name__ in _warned_unmirrored:
-        return
-    _warned_unmirrored.add(inner.__name__)
-    lost = " and ".join(missing + ([] if plain_stats else
-                                   ["a stats class (the API server's transfer-metrics log)"]))
-    fix = (f'use "kv_connector": "{MIRROR_PREFIX}{settings.inner_connector}" to keep them'
-           if settings.inner_module_path is None else "this wrapper cannot mirror a "
-           "connector loaded from a module path")
-    log.warning("FaultInjectingConnector: %s declares %s, which vLLM does not see through "
-                "this wrapper (it behaves as a connector without them); %s",
-                inner.__name__, lost, fix)
+    what = (f"{inner.__name__} has {', '.join(lost)}, which vLLM would not see through "
+            f"{wrapper.__name__} (it would decide as for another connector, e.g. turn the "
+            "hybrid KV cache manager off, which NIXL hashes into its compatibility check)")
+    if wrapper._wrapped_name is not None:
+        raise fail("inner_connector", f"{what}; kvmetrics cannot mirror these yet")
+    if settings.inner_module_path is None or _registered_as(inner, settings.inner_connector):
+        try:
+            mirror = mirrored_connector(settings.inner_connector)
+        except (ValueError, ImportError) as e:
+            raise fail("inner_connector", f"{what}; and it cannot be mirrored: "
+                       f"{str(e).splitlines()[0] if str(e) else e!r}") from None
+        if unmirrored(mirror, inner):
+            raise fail("inner_connector", f"{what}; kvmetrics cannot mirror "
+                       f"{', '.join(unmirrored(mirror, inner))} yet")
+        raise fail("inner_connector", f'{what}; use "kv_connector": "{mirror.__name__}" '
+                   f'with "kv_connector_module_path": "{faults.__name__}"')
+    raise fail("inner_connector", f"{what}; add {MIRROR_PREFIX}{inner.__name__} = "
+               f"fault_injecting({inner.__name__}) (from {__name__}) to "
+               f"{settings.inner_module_path} and name that class instead")

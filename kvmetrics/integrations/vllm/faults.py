@@ -57,19 +57,21 @@ connector registered with vLLM is named after it: ``FaultInjectingNixlConnector`
 name; ``inner_connector`` may then be left out). Such a class is built on first
 lookup, the same in every process, by :func:`mirrored_connector`: it declares every
 optional interface the inner class declares and answers vLLM's class-level
-questions with the inner class's answers. The plain ``FaultInjectingConnector``
-(needed for a connector loaded from ``inner_module_path``) declares none, so vLLM
-treats it as a connector without them; it logs a warning naming the mirrored class
-when the inner connector has some. The mirrored classes are built in
-:mod:`kvmetrics.integrations.vllm.fault_mirror`.
+questions with the inner class's answers; for a connector of one's own module,
+``FaultInjectingMyConnector = fault_injecting(MyConnector)`` there. The plain
+``FaultInjectingConnector`` declares no interface, so vLLM would treat it as another
+connector (around NIXL: hybrid KV cache manager off on one side, a compatibility hash
+mismatch on every transfer); it refuses to start, with a one-line
+:class:`FaultConfigError` naming the class to use, whenever the inner class has
+anything it cannot show vLLM. What is forwarded and what is checked (vLLM's
+interface grows every release) is :mod:`kvmetrics.integrations.vllm.fault_interface`;
+the mirrored classes are built in :mod:`kvmetrics.integrations.vllm.fault_mirror`.
 """
 
 from __future__ import annotations
 
-import abc
 import copy
 import dataclasses
-import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +84,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvmetrics.integrations.vllm.fault_interface import class_forwarder, install, process_local
 from kvmetrics.integrations.vllm.fault_plan import (
     FAULT_MODES,
     POISON_SCALE,
@@ -125,9 +128,12 @@ def _inner_vllm_config(vllm_config: Any, settings: FaultSettings) -> Any:
 
 
 def _inner_class(kv_transfer_config: Any, settings: FaultSettings) -> type[KVConnectorBase_V1]:
+    """The inner connector's class, for the wrapper's transfer config (or an
+    :class:`_InnerOnly`, which names the inner connector already)."""
+    inner_config = (kv_transfer_config if isinstance(kv_transfer_config, _InnerOnly)
+                    else _inner_transfer_config(kv_transfer_config, settings))
     try:
-        cls = KVConnectorFactory.get_connector_class(
-            _inner_transfer_config(kv_transfer_config, settings))
+        cls = KVConnectorFactory.get_connector_class(inner_config)
     except Exception as e:
         key = "inner_module_path" if settings.inner_module_path else "inner_connector"
         raise fail(key, f"cannot load connector {settings.inner_connector!r}: "
@@ -141,28 +147,16 @@ def _extra(kv_transfer_config: Any) -> Any:
     return getattr(kv_transfer_config, "kv_connector_extra_config", None)
 
 
-#: Methods the wrapper implements itself; every other public method of vLLM's
-#: connector interface is forwarded to the inner connector unchanged.
-_OWN = frozenset({
-    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-    "request_finished", "bind_connector_metadata", "clear_connector_metadata",
-    "has_connector_metadata", "register_kv_caches", "start_load_kv", "wait_for_layer_load",
-    "get_finished", "get_transfer_results", "get_block_ids_with_load_errors",
-    "handle_preemptions", "role",
-    # classmethods, resolved against the inner class below
-    "get_required_kvcache_layout", "requires_piecewise_for_cudagraph", "supports_sleep_mode",
-    "build_kv_connector_stats", "build_prom_metrics",
-})
-
-
 class FaultInjectingConnector(KVConnectorBase_V1):
     """Any KV connector, with a deterministic share of its loads failing on the workers."""
 
     #: The inner connector class last resolved in this process (for the classmethods
     #: that get no config, e.g. ``build_kv_connector_stats``).
     _last_inner_class: type[KVConnectorBase_V1] | None = None
-    #: The registered connector a mirrored class wraps (None: read ``inner_connector``).
+    #: The connector a mirrored class wraps: its name (None: read ``inner_connector``)
+    #: and, for one not registered with vLLM, its module (``inner_module_path``).
     _wrapped_name: str | None = None
+    _wrapped_module: str | None = None
 
     @classmethod
     def parse(cls, extra: Any) -> FaultSettings:
@@ -173,9 +167,11 @@ class FaultInjectingConnector(KVConnectorBase_V1):
             given = extra.setdefault("inner_connector", fixed)
             if given != fixed:
                 raise fail("inner_connector", f"{cls.__name__} wraps {fixed}, got {given!r}")
-            if extra.get("inner_module_path") is not None:
-                raise fail("inner_module_path", f"{cls.__name__} wraps vLLM's registered "
-                           f"{fixed}; use FaultInjectingConnector for a connector module")
+            module = extra.setdefault("inner_module_path", cls._wrapped_module)
+            if module != cls._wrapped_module:
+                where = (f"{fixed} of {cls._wrapped_module}" if cls._wrapped_module
+                         else f"vLLM's registered {fixed}")
+                raise fail("inner_module_path", f"{cls.__name__} wraps {where}, got {module!r}")
         return parse_settings(extra)
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
@@ -185,9 +181,9 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self.plan = FaultPlan(self.settings)
         cls = _inner_class(self._kv_transfer_config, self.settings)
         FaultInjectingConnector._last_inner_class = cls
-        from kvmetrics.integrations.vllm.fault_mirror import warn_if_not_mirrored
+        from kvmetrics.integrations.vllm.fault_mirror import refuse_unmirrored
 
-        warn_if_not_mirrored(type(self), cls, self.settings)
+        refuse_unmirrored(type(self), cls, self.settings)
         self._inner = cls(_inner_vllm_config(vllm_config, self.settings), role,
                           kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -376,40 +372,74 @@ class FaultInjectingConnector(KVConnectorBase_V1):
                 caches[name] = kv
         return caches
 
-    # -- classmethods: answered by the inner connector's class ------------------------
+    # -- class-level questions: answered by the inner connector's class --------------
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        settings = cls.parse(_extra(vllm_config.kv_transfer_config))
-        inner = _inner_class(vllm_config.kv_transfer_config, settings)
-        return inner.get_required_kvcache_layout(_inner_vllm_config(vllm_config, settings))
+    def _ask_inner_class(cls, name: str, param: str, config: Any, args: tuple[Any, ...],
+                         kwargs: dict[str, Any], default: Any = None) -> Any:
+        """The inner class's ``name``, asked with ``config`` (the wrapper's, of the kind
+        ``param`` names) translated into the inner connector's; ``default`` (or None)
+        where the inner class lacks it."""
+        if param == "extra_config":
+            settings = cls.parse(config)
+            inner = _inner_class(_InnerOnly(settings), settings)
+            inner_config: Any = dict(settings.inner_extra_config)
+        else:
+            transfer = config if param == "kv_transfer_config" else config.kv_transfer_config
+            settings = cls.parse(_extra(transfer))
+            inner = _inner_class(transfer, settings)
+            inner_config = (_inner_transfer_config(transfer, settings)
+                            if param == "kv_transfer_config"
+                            else _inner_vllm_config(config, settings))
+        method = getattr(inner, name, None)
+        if method is None:
+            return None if default is None else default(inner_config, *args, **kwargs)
+        return method(inner_config, *args, **kwargs)
 
     @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        settings = cls.parse(extra_config)
-        inner = KVConnectorFactory.get_connector_class(_InnerOnly(settings))
-        return bool(inner.requires_piecewise_for_cudagraph(dict(settings.inner_extra_config)))
-
-    @classmethod
-    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        settings = cls.parse(_extra(kv_transfer_config))
-        inner = _inner_class(kv_transfer_config, settings)
-        check = getattr(inner, "supports_sleep_mode", None)
-        return True if check is None else bool(
-            check(_inner_transfer_config(kv_transfer_config, settings)))
-
-    @classmethod
+    @process_local
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        # No config to find the inner class from: the one last built in this process.
+        # The API server builds none; the mirrored classes answer there (fault_mirror).
         inner = cls._last_inner_class
         return None if inner is None else inner.build_kv_connector_stats(data)
 
-    @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-        settings = cls.parse(_extra(vllm_config.kv_transfer_config))
-        inner = _inner_class(vllm_config.kv_transfer_config, settings)
-        return inner.build_prom_metrics(_inner_vllm_config(vllm_config, settings),
-                                        *args, **kwargs)
+    # vLLM 0.34's additions, answered the same way on every vLLM (the base's default
+    # where the inner connector predates them), so a wrapper never answers otherwise
+    # than the connector it wraps.
 
+    def may_load_async(self, request: Any) -> bool:
+        """Whether the inner connector may load ``request`` asynchronously (0.34's
+        ``--max-num-inflight-kv-loads`` queues by it). A load the wrapper itself turns
+        async (``fault_mode``) is not announced: vLLM still caps it, and it waits for a
+        running slot as the synchronous load it replaces would."""
+        ask = getattr(self._inner, "may_load_async", None)
+        if ask is not None:
+            return ask(request)
+        params = getattr(request, "kv_transfer_params", None)
+        return bool(params and params.get("do_remote_prefill"))
+
+    supports_lookahead_block_hashes = class_forwarder(
+        "supports_lookahead_block_hashes", "kv_transfer_config",
+        default=lambda kv_transfer_config: False)
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """How the inner connector's workers reach the KV cache: vLLM's own answer for
+        the inner config (its factory's, which also knows LMCache's legacy case)."""
+        settings = cls.parse(_extra(kv_transfer_config))
+        inner_config = _inner_transfer_config(kv_transfer_config, settings)
+        ask = getattr(KVConnectorFactory, "kv_cache_access", None)
+        if ask is not None:
+            return ask(inner_config)
+        inner = _inner_class(kv_transfer_config, settings)
+        if hasattr(inner, "kv_cache_access"):
+            return inner.kv_cache_access(inner_config)
+        try:
+            from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined]
+        except ImportError:
+            return None  # a vLLM without the question
+        return KVCacheAccess.IN_PROCESS
 
 @dataclass
 class _InnerOnly:
@@ -425,32 +455,15 @@ class _InnerOnly:
     def kv_connector_module_path(self) -> str | None:
         return self.settings.inner_module_path
 
+    @property
+    def kv_connector_extra_config(self) -> dict[str, Any]:
+        return self.settings.inner_extra_config
 
-def _forwarder(name: str, member: Any) -> Any:
-    """A method or property of the interface that simply asks the inner connector."""
-    if isinstance(member, property):
-        return property(lambda self: getattr(self._inner, name), doc=member.__doc__)
-
-    def forward(self: FaultInjectingConnector, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._inner, name)(*args, **kwargs)
-
-    forward.__name__ = name
-    forward.__doc__ = getattr(member, "__doc__", None)
-    return forward
+    def get_from_extra_config(self, key: str, default: Any) -> Any:
+        return self.settings.inner_extra_config.get(key, default)
 
 
-def _install_forwarders() -> None:
-    for name, member in vars(KVConnectorBase_V1).items():
-        if name.startswith("_") or name in _OWN:
-            continue
-        if isinstance(member, classmethod | staticmethod):
-            continue
-        if isinstance(member, property) or inspect.isfunction(member):
-            setattr(FaultInjectingConnector, name, _forwarder(name, member))
-    abc.update_abstractmethods(FaultInjectingConnector)
-
-
-_install_forwarders()
+install(FaultInjectingConnector)
 
 
 def __getattr__(name: str) -> Any:
