@@ -5,7 +5,8 @@ A report used to link to ``file://`` paths of the checkout that wrote it: dead l
 anywhere else. Instead, each docs reference a report makes (``docs/NAME.md#anchor``)
 becomes an in-page link to an appendix holding that section's text, taken from the
 docs folder at render time. Without a docs folder (kvmetrics installed from a wheel)
-the reference is shown as text, never as a link that goes nowhere.
+the reference is shown as text, never as a link that goes nowhere. The appendix is
+rendered here too, every line escaped through :mod:`kvmetrics.lab.markup`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvmetrics.lab.markup import Markup, html, join
 
 #: Where the docs live in a checkout: next to the package.
 DOCS_DIR = Path(__file__).resolve().parent.parent.parent / "docs"
@@ -100,3 +103,45 @@ class DocAppendix:
             if section is not None:
                 self.sections[reference] = section
         return section
+
+
+def _doc_text(text: str) -> Markup:
+    """A docs section's Markdown as paragraphs and code blocks, every line escaped (no
+    Markdown is interpreted: the text reads as in the file, wrapped by the browser)."""
+    parts: list[Markup] = []
+    lines: list[str] = []
+    in_code = False
+
+    def flush() -> None:
+        if lines:
+            parts.append(html("<pre>{}</pre>", join(lines, "\n")) if in_code
+                         else html("<p>{}</p>", " ".join(lines)))
+            lines.clear()
+
+    for line in text.splitlines():
+        if line.startswith("```"):
+            flush()
+            in_code = not in_code
+        elif in_code:
+            lines.append(line)
+        elif not line.strip() or line.startswith(("#", "|", "- ")):
+            flush()  # a blank line, heading, table row or list item starts anew
+            if line.strip():
+                lines.append(line)
+        else:
+            lines.append(line.strip())
+    flush()
+    return join(parts)
+
+
+def render_appendix(appendix: DocAppendix, version: str) -> Markup:
+    """The report's "Explanations": every section it linked to, escaped."""
+    if not appendix.sections:
+        return Markup("")
+    parts = join(html('<section class="doc" id="{}"><h3>{}</h3><p class="src">{}, kvmetrics '
+                      '{}</p><div class="doctext">{}</div></section>', s.element_id, s.title,
+                      s.reference, version, _doc_text(s.text))
+                 for s in appendix.sections.values())
+    return html('<h2 id="explanations">Explanations</h2><p class="meta">The sections of '
+                "kvmetrics' documentation this report links to, copied in so that the page "
+                "stands alone.</p>{}", parts)

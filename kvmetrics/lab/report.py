@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmetrics import __version__
-from kvmetrics.lab.doc_sections import DOCS_DIR, DocAppendix
+from kvmetrics.lab.doc_sections import DOCS_DIR, DocAppendix, render_appendix
 from kvmetrics.lab.markup import Markup, html, join
 from kvmetrics.lab.run_schema import RunDocumentError, check_run_document
 from kvmetrics.lab.summary import summary_rows
@@ -349,47 +349,6 @@ def _link(target: str, text: str, appendix: DocAppendix) -> Markup:
     return html('<a href="#{}">{}</a>', section.element_id, text)
 
 
-def _doc_text(text: str) -> Markup:
-    """A docs section's Markdown as paragraphs and code blocks, every line escaped (no
-    Markdown is interpreted: the text reads as in the file, wrapped by the browser)."""
-    parts: list[Markup] = []
-    lines: list[str] = []
-    in_code = False
-
-    def flush() -> None:
-        if lines:
-            parts.append(html("<pre>{}</pre>", join(lines, "\n")) if in_code
-                         else html("<p>{}</p>", " ".join(lines)))
-            lines.clear()
-
-    for line in text.splitlines():
-        if line.startswith("```"):
-            flush()
-            in_code = not in_code
-        elif in_code:
-            lines.append(line)
-        elif not line.strip() or line.startswith(("#", "|", "- ")):
-            flush()  # a blank line, heading, table row or list item starts anew
-            if line.strip():
-                lines.append(line)
-        else:
-            lines.append(line.strip())
-    flush()
-    return join(parts)
-
-
-def _appendix(appendix: DocAppendix) -> Markup:
-    if not appendix.sections:
-        return Markup("")
-    parts = join(html('<section class="doc" id="{}"><h3>{}</h3><p class="src">{}, kvmetrics '
-                      '{}</p><div class="doctext">{}</div></section>', s.element_id, s.title,
-                      s.reference, __version__, _doc_text(s.text))
-                 for s in appendix.sections.values())
-    return html('<h2 id="explanations">Explanations</h2><p class="meta">The sections of '
-                "kvmetrics' documentation this report links to, copied in so that the page "
-                "stands alone.</p>{}", parts)
-
-
 def _tiles(doc: dict[str, Any]) -> Markup:
     r, k = doc["requests"], doc["kv_load"]
     loads = k["blocks_ok"] + k["blocks_failed"]
@@ -535,5 +494,5 @@ def render_report(document: dict[str, Any], docs_dir: Path = DOCS_DIR) -> str:
         '<h2 id="charts">Over the run</h2>', '<div class="grid">', *figures, "</div>",
         '<h2 id="summary">Summary</h2>', _table(rows),
         '<h2 id="configuration">Configuration</h2>', config,
-        _appendix(base),
+        render_appendix(base, __version__),
         "</body></html>", ""])
