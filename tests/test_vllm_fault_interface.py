@@ -34,6 +34,7 @@ from kvmetrics.integrations.vllm import fault_interface
 from kvmetrics.integrations.vllm.fault_mirror import fault_injecting
 from kvmetrics.integrations.vllm.faults import FaultConfigError, FaultInjectingConnector
 from kvmetrics.integrations.vllm_lab import builder
+from kvmetrics.integrations.vllm_lab.compat import cpu_config_context
 from tests.helpers import synthetic_connectors
 from tests.helpers.synthetic_connectors import SupportsTeleport, TeleportConnector
 
@@ -55,7 +56,13 @@ def nixl_hash(config: VllmConfig) -> str:
 
 def vllm_config(transfer: KVTransferConfig) -> VllmConfig:
     """The config vLLM builds for the tiny model with this transfer config (it decides
-    whether the hybrid KV cache manager stays on here, from the connector class)."""
+    whether the hybrid KV cache manager stays on here, from the connector class); on a
+    vLLM 0.34 without Triton, past the CPU platform's Triton check as the lab does."""
+    with cpu_config_context():
+        return _vllm_config(transfer)
+
+
+def _vllm_config(transfer: KVTransferConfig) -> VllmConfig:
     return VllmConfig(
         model_config=ModelConfig(model=builder.model_dir(2048), skip_tokenizer_init=True,
                                  max_model_len=2048, dtype="float32", seed=0),
