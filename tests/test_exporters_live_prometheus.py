@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kvmetrics.exporters.admission import ServerLimits
 from kvmetrics.exporters.prometheus import PrometheusSink, serve
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
@@ -42,7 +44,11 @@ def test_prometheus_scrapes_the_same_totals_as_the_pipeline_during_and_after_a_r
 ) -> None:
     sink = PrometheusSink(CollectorRegistry())
     pipeline = MetricsPipeline([sink])
-    server = serve(sink.registry, port=0)
+    # A scrape sees values at most page_max_age_s old (the endpoint's page cache): the
+    # scrapes compared below start at least that long after the phase they check.
+    limits = ServerLimits()
+    page_age = limits.page_max_age_s
+    server = serve(sink.registry, port=0, limits=limits)
     target = f"{server.host}:{server.port}"
     try:
         with running_prometheus(target, rule_files=[_violation_rule(tmp_path)]) as prom:
@@ -51,7 +57,8 @@ def test_prometheus_scrapes_the_same_totals_as_the_pipeline_during_and_after_a_r
 
             first()
             mid_totals = pipeline_counters(pipeline)
-            mid_scrape = prom.wait_for_scrape()  # a scrape that started after phase one
+            # A scrape whose page was collected after phase one.
+            mid_scrape = prom.wait_for_scrape(after=time.time() + page_age)
             with urllib.request.urlopen(f"http://{target}/metrics", timeout=10) as response:
                 healthy_page = response.read().decode()
             # The guard's and the invariants' counters exist from the first scrape, at 0.
@@ -68,7 +75,7 @@ def test_prometheus_scrapes_the_same_totals_as_the_pipeline_during_and_after_a_r
                 violating()
             finally:
                 logging.disable(logging.NOTSET)
-            prom.wait_for_scrape()
+            prom.wait_for_scrape(after=time.time() + page_age)
 
             assert prom.query_value(f'up{{job="kvmetrics", instance="{target}"}}') == 1
             # Mid-run: what Prometheus stored at the scrape between the phases.
