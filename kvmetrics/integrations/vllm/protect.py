@@ -101,7 +101,7 @@ class ProtectMixin:
                     or (hasattr(me, "_parked_reservations")
                         and not hasattr(me, "_unreserve_parked")):
                 raise RuntimeError("KVMETRICS_RECOVERY=evict supports one KV cache group on "
-                                   "vLLM's 0.28-0.34 scheduler internals only")
+                                   "vLLM 0.32-0.34's scheduler internals only")
             base = vllm_base(type(self))
             for hook in PROTECTED:
                 problem = signature_problem(getattr(base, hook.method, None), hook, True)
