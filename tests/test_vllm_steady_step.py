@@ -48,7 +48,7 @@ def test_quiet_steps_record_nothing_and_the_gauges_stay_vllms() -> None:
     read = [(step, g, counts) for step, g, counts in seen if g is not None]
     for step, g, (running, waiting) in read:
         assert (g.running, g.waiting + g.waiting_for_remote_kv) == (running, waiting), step
-    gaps = [b[0] - a[0] for a, b in zip(read, read[1:])]
+    gaps = [b[0] - a[0] for a, b in zip(read, read[1:], strict=False)]
     assert read and max(gaps) <= instrumented.GAUGE_EVERY, gaps
     assert read[-1][1].running == 0  # the last step (the finishes) was read
     finished = pipeline.totals.by_metric(cat.FINISHED_REQUESTS)

@@ -206,11 +206,13 @@ class StepRecorder:
         self.events.merge(events)
 
     def quiet(self) -> bool:
-        """Whether nothing happened in this step so far (no event, eviction, rollback)."""
+        """Whether nothing but evictions happened in this step so far. Evictions wait
+        in ``evictions`` for the next step that is recorded (at most a few steps: a
+        warm cache evicts a cached block on many decode steps)."""
         ev = self.events
         return not (ev.increments or ev.rollbacks or ev.discarded_tokens
                     or ev.recovery_seconds is not None or ev.gauges is not None
-                    or ev.pool is not None or self.evicted_any)
+                    or ev.pool is not None)
 
     def take_step(self, step: int) -> StepEvents:
         """The finished step's events; a fresh accumulator starts for the next one."""

@@ -76,9 +76,10 @@ POOL_AUDIT_EVERY = 1024
 POOL_AUDIT_BLOCKS = 8
 
 #: With a pipeline (as under ``vllm serve``), a step where nothing happened (no
-#: admission, load, preemption, finish, eviction or fault) records nothing; the gauges
-#: are read on every step that recorded something and on every GAUGE_EVERY-th step
-#: (so they lag vLLM by fewer than GAUGE_EVERY steps). Without a pipeline (the lab's
+#: admission, load, preemption, finish or fault) records nothing; its evictions are
+#: counted with the next step recorded. The gauges are read on every step that
+#: recorded something and on every GAUGE_EVERY-th step (so the gauges and the eviction
+#: counter lag vLLM by fewer than GAUGE_EVERY steps). Without a pipeline (the lab's
 #: drained events) every step is handed on with its gauges, as before.
 GAUGE_EVERY = 8
 
@@ -161,7 +162,7 @@ class InstrumentedMixin:
                         "versions)", verification.summary())
         try:
             install_helper_wrappers(self, self._kv_on, self._kv_call_guarded,
-                                    self._kv_hook_failed)
+                                    self._kv_hook_failed, self._kv_tally)
         except Exception:
             log.exception("kvmetrics could not hook vLLM's cache manager; counts will be partial")
         try:
@@ -230,6 +231,14 @@ class InstrumentedMixin:
             self._kv_hook_failed(hook)
         finally:
             self._kv_cpu_ns += thread_time_ns() - start
+
+    def _kv_tally(self, hook: str, method: str, *args: Any) -> None:
+        """:meth:`_kv_call_guarded` without the clock, for a hook that is a counter
+        increment on ordinary steps (two clock reads would cost more than the work)."""
+        try:
+            getattr(self._kv, method)(*args)
+        except Exception:
+            self._kv_hook_failed(hook)
 
     # -- scheduling --------------------------------------------------------------------
 
