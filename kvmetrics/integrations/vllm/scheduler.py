@@ -81,11 +81,14 @@ POOL_AUDIT_BLOCKS = 8
 #: recorded something and on every GAUGE_EVERY-th step (so the gauges and the eviction
 #: counter lag vLLM by fewer than GAUGE_EVERY steps). Without a pipeline (the lab's
 #: drained events) every step is handed on with its gauges, as before.
-GAUGE_EVERY = 8
+GAUGE_EVERY = 32
 
 #: kvmetrics' CPU time is added to ``kvmetrics_instrumentation_cpu_seconds_total``
-#: every CPU_REPORT_EVERY steps (one increment per step would itself cost a share).
-CPU_REPORT_EVERY = 50
+#: every CPU_REPORT_EVERY steps (one increment per step would itself cost a share); a
+#: multiple of GAUGE_EVERY, so that reporting adds no recorded step of its own. A
+#: gauge read (vLLM's accessors, the self-check on steps that are multiples of
+#: selfcheck.SELF_CHECK_EVERY, the exporters) costs a few microseconds, hence 32.
+CPU_REPORT_EVERY = 64
 
 #: The end-of-step work is timed on a random one step in CPU_SAMPLE_EVERY (each step
 #: independently, with probability 1/CPU_SAMPLE_EVERY) and counted CPU_SAMPLE_EVERY
@@ -154,7 +157,9 @@ class InstrumentedMixin:
         self._kv_rng = random.Random()
         self._kv_sample_in = self._kv_gap()
         blocks = me.kv_cache_manager.block_pool.num_gpu_blocks
-        self._kv_audit_every = max(POOL_AUDIT_EVERY, blocks // POOL_AUDIT_BLOCKS)
+        every = max(POOL_AUDIT_EVERY, blocks // POOL_AUDIT_BLOCKS)
+        # A multiple of GAUGE_EVERY: the audit runs with a gauge read.
+        self._kv_audit_every = -(-every // GAUGE_EVERY) * GAUGE_EVERY
         verification = getattr(self, "kvmetrics_vllm", None)
         if verification is not None and not verification.verified:
             log.warning("kvmetrics: %s; kvmetrics was not verified on this vLLM code, so the "
