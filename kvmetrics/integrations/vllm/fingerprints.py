@@ -45,6 +45,8 @@ TARGETS: tuple[str, ...] = (
     f"{_SCHED}._handle_failed_recving",
     f"{_SCHED}._update_waiting_for_remote_kv",
     f"{_SCHED}._handle_blocked_waiting_request",
+    f"{_SCHED}._reserve_parked",  # 0.34: a parked async load's reservation
+    f"{_SCHED}._unreserve_parked",  # the protective mode drops an emptied one
     f"{_SCHED}.get_request_counts",
     f"{_SCHED}.get_kv_cache_usage",
     "vllm.v1.core.sched.async_scheduler:AsyncScheduler",
@@ -60,7 +62,8 @@ PROTECT_TARGETS: frozenset[str] = frozenset(
     t for t in TARGETS if t.rsplit(".", 1)[-1] in {
         "_update_requests_with_invalid_blocks", "_handle_invalid_blocks", "_free_request",
         "update_from_output", "_update_waiting_for_remote_kv",
-        "_handle_blocked_waiting_request", "schedule", "__init__", "AsyncScheduler"})
+        "_handle_blocked_waiting_request", "_reserve_parked", "_unreserve_parked",
+        "schedule", "__init__", "AsyncScheduler"})
 
 
 def fingerprint(target: str) -> str:

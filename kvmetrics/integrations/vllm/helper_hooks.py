@@ -18,9 +18,12 @@ Call = Callable[..., None]
 
 
 def install_helper_wrappers(scheduler: Any, on: Callable[[str], bool], call: Call,
-                            failed: Callable[[str], None]) -> None:
+                            failed: Callable[[str], None], tally: Call | None = None) -> None:
     """Install the usable wrappers on ``scheduler``'s cache manager, pool and connector;
-    ``failed(hook)`` counts a fault the metrics side met outside ``call``."""
+    ``failed(hook)`` counts a fault the metrics side met outside ``call``. ``tally`` is
+    ``call`` without its clock, for the one hook that runs on ordinary decode steps (a
+    cached block evicted to make room, about once per request every block of tokens)."""
+    tally = tally or call
     kvm = scheduler.kv_cache_manager
 
     if on("kv_cache_manager.record_prefix_cache_stats"):
@@ -55,7 +58,7 @@ def install_helper_wrappers(scheduler: Any, on: Callable[[str], bool], call: Cal
         def maybe_evict_hook(*args: Any, **kwargs: Any) -> Any:
             evicted = maybe_evict(*args, **kwargs)
             if evicted:
-                call("block_pool._maybe_evict_cached_block", "evicted", 1)
+                tally("block_pool._maybe_evict_cached_block", "evicted", 1)
             return evicted
 
         pool._maybe_evict_cached_block = maybe_evict_hook

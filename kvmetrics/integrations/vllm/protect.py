@@ -2,7 +2,7 @@
 
 ``KVMETRICS_RECOVERY=evict`` (or ``--additional-config '{"kvmetrics":
 {"recovery": "evict"}}'``) makes the instrumented scheduler fix the
-recovery-path defects of vLLM 0.33 that ``kvmetrics vllm-check`` reports
+recovery-path defects of vLLM 0.33 and 0.34 that ``kvmetrics vllm-check`` reports
 (docs/vllm-defects.md), with the same rules as the reference engine's
 ``recovery="evict"``, ``async_admission="live"`` and ``async_rollback="drop"``:
 
@@ -17,7 +17,8 @@ recovery-path defects of vLLM 0.33 that ``kvmetrics vllm-check`` reports
 - a step the rolled-back request has in flight (async scheduling) has its output
   discarded and its placeholders cleared, as a preemption does;
 - a request whose async load failed in every block leaves the in-flight prefills
-  and the queue of block holders, so its own reservation can no longer stall it;
+  (0.33) or the parked reservations (0.34) and the queue of block holders, so its
+  own reservation can no longer stall it;
 - a request aborted while a step of it still runs keeps its block table on record
   until that step's output is processed, so that if its load failed its blocks
   from the failed one on are evicted too (vLLM only looks at requests still
@@ -96,9 +97,11 @@ class ProtectMixin:
             # Fail at startup, not at the first failed load, if vLLM's internals moved.
             managers = me.kv_cache_manager.coordinator.single_type_managers
             if len(managers) != 1 or not hasattr(managers[0], "num_cached_block") \
-                    or not hasattr(me, "_inflight_prefills"):
+                    or not hasattr(me, "_inflight_prefills") \
+                    or (hasattr(me, "_parked_reservations")
+                        and not hasattr(me, "_unreserve_parked")):
                 raise RuntimeError("KVMETRICS_RECOVERY=evict supports one KV cache group on "
-                                   "vLLM's 0.33 scheduler internals only")
+                                   "vLLM 0.32-0.34's scheduler internals only")
             base = vllm_base(type(self))
             for hook in PROTECTED:
                 problem = signature_problem(getattr(base, hook.method, None), hook, True)
@@ -225,6 +228,15 @@ class ProtectMixin:
         request = argument(args, kwargs, 0, "request")
         if self._protect_emptied is request:
             self._protect_emptied = None
+            # vLLM 0.34 reserves blocks for it again right after promoting it
+            # (``_reserve_parked``): a request that holds none is a new request, and
+            # its own reservation would count against it. Up to 0.33 the discard in
+            # ``_update_waiting_for_remote_kv`` was enough.
+            me: Any = self
+            me._inflight_prefills.discard(request)
+            unreserve = getattr(me, "_unreserve_parked", None)
+            if unreserve is not None:
+                unreserve(request)
             # It holds no block any more: skipped now, it waits in the plain queue,
             # behind every request that holds blocks.
             return False

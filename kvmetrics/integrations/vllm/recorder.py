@@ -62,6 +62,8 @@ class StepRecorder:
         self.events = StepEvents(step=1)
         self.evictions: dict[str, int] = {"capacity": 0, "kv_load_failure": 0, "reset": 0}
         self.evict_cause = "capacity"
+        #: Whether ``evictions`` holds anything not yet taken.
+        self.evicted_any = False
         #: Loads whose mode is known only once schedule() returns: (rid, block ids).
         self.new_loads: list[tuple[str, list[int]]] = []
         #: Sync loads by the scheduler output that carries them.
@@ -195,6 +197,7 @@ class StepRecorder:
 
     def evicted(self, n: int = 1, cause: str | None = None) -> None:
         self.evictions[cause or self.evict_cause] += n
+        self.evicted_any = True
 
     def set_evict_cause(self, cause: str) -> None:
         self.evict_cause = cause
@@ -202,13 +205,24 @@ class StepRecorder:
     def merge_events(self, events: StepEvents) -> None:
         self.events.merge(events)
 
+    def quiet(self) -> bool:
+        """Whether nothing but evictions happened in this step so far. Evictions wait
+        in ``evictions`` for the next step that is recorded (at most a few steps: a
+        warm cache evicts a cached block on many decode steps)."""
+        ev = self.events
+        return not (ev.increments or ev.rollbacks or ev.discarded_tokens
+                    or ev.recovery_seconds is not None or ev.gauges is not None
+                    or ev.pool is not None)
+
     def take_step(self, step: int) -> StepEvents:
         """The finished step's events; a fresh accumulator starts for the next one."""
         events = self.events
         events.step = step
-        for cause, n in self.evictions.items():
-            if n:
-                events.evicted(cause, n)
-                self.evictions[cause] = 0
+        if self.evicted_any:
+            self.evicted_any = False
+            for cause, n in self.evictions.items():
+                if n:
+                    events.evicted(cause, n)
+                    self.evictions[cause] = 0
         self.events = StepEvents(step=step + 1)
         return events

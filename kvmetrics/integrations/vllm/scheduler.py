@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import random
 import time
 from collections.abc import Callable
 from time import thread_time_ns
@@ -64,15 +66,35 @@ from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = logging.getLogger(LOGGER)
 
-#: The pool audit walks every block (O(blocks)), so it runs every POOL_AUDIT_EVERY
-#: steps and on every step that ran the recovery path, keeping the decode-step cost
-#: of instrumentation negligible (see benchmarks/bench_vllm.py).
-POOL_AUDIT_EVERY = 100
+#: The pool audit walks every block (O(blocks)), so it runs on every step that ran the
+#: recovery path and otherwise every ``max(POOL_AUDIT_EVERY, blocks // POOL_AUDIT_BLOCKS)``
+#: steps: about POOL_AUDIT_BLOCKS blocks walked per step, whatever the cache size. A
+#: pool inconsistency that persists (a leaked block, a negative reference count) is
+#: seen within that many steps; one that appears and heals between two audits away
+#: from the recovery path is not.
+POOL_AUDIT_EVERY = 1024
+POOL_AUDIT_BLOCKS = 8
 
-#: kvmetrics' own CPU time is measured around every step's work and added to
-#: ``kvmetrics_instrumentation_cpu_seconds_total`` every CPU_REPORT_EVERY steps (none
-#: of it is lost; one increment per step would itself cost a noticeable share).
-CPU_REPORT_EVERY = 50
+#: With a pipeline (as under ``vllm serve``), a step where nothing happened (no
+#: admission, load, preemption, finish or fault) records nothing; its evictions are
+#: counted with the next step recorded. The gauges are read on every step that
+#: recorded something and on every GAUGE_EVERY-th step (so the gauges and the eviction
+#: counter lag vLLM by fewer than GAUGE_EVERY steps). Without a pipeline (the lab's
+#: drained events) every step is handed on with its gauges, as before.
+GAUGE_EVERY = 32
+
+#: kvmetrics' CPU time is added to ``kvmetrics_instrumentation_cpu_seconds_total``
+#: every CPU_REPORT_EVERY steps (one increment per step would itself cost a share); a
+#: multiple of GAUGE_EVERY, so that reporting adds no recorded step of its own. A
+#: gauge read (vLLM's accessors, the self-check on steps that are multiples of
+#: selfcheck.SELF_CHECK_EVERY, the exporters) costs a few microseconds, hence 32.
+CPU_REPORT_EVERY = 64
+
+#: The end-of-step work is timed on a random one step in CPU_SAMPLE_EVERY (each step
+#: independently, with probability 1/CPU_SAMPLE_EVERY) and counted CPU_SAMPLE_EVERY
+#: times: an unbiased estimate of its total, without two clock reads on most steps. The
+#: rare recovery, admission and finish hooks are timed every time and counted once.
+CPU_SAMPLE_EVERY = 64
 
 
 def _guarded(hook: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -129,6 +151,15 @@ class InstrumentedMixin:
         policy = "recompute" if getattr(me, "recompute_kv_load_failures", True) else "fail"
         self._kv = StepRecorder(me.block_size, policy, me.connector is not None)
         self._kv_check_hooks()
+        on = self._kv_on
+        self._kv_sched_on = on("scheduler.schedule")
+        self._kv_output_on = on("scheduler.update_from_output")
+        self._kv_rng = random.Random()
+        self._kv_sample_in = self._kv_gap()
+        blocks = me.kv_cache_manager.block_pool.num_gpu_blocks
+        every = max(POOL_AUDIT_EVERY, blocks // POOL_AUDIT_BLOCKS)
+        # A multiple of GAUGE_EVERY: the audit runs with a gauge read.
+        self._kv_audit_every = -(-every // GAUGE_EVERY) * GAUGE_EVERY
         verification = getattr(self, "kvmetrics_vllm", None)
         if verification is not None and not verification.verified:
             log.warning("kvmetrics: %s; kvmetrics was not verified on this vLLM code, so the "
@@ -136,7 +167,7 @@ class InstrumentedMixin:
                         "versions)", verification.summary())
         try:
             install_helper_wrappers(self, self._kv_on, self._kv_call_guarded,
-                                    self._kv_hook_failed)
+                                    self._kv_hook_failed, self._kv_tally)
         except Exception:
             log.exception("kvmetrics could not hook vLLM's cache manager; counts will be partial")
         try:
@@ -176,6 +207,14 @@ class InstrumentedMixin:
                         name, problem,
                         ", ".join(sorted(hooks.BY_NAME[name].families)) or "nothing")
 
+    def _kv_gap(self) -> int:
+        """Steps until the next timed one: geometric with mean CPU_SAMPLE_EVERY, i.e.
+        each step timed independently with probability 1/CPU_SAMPLE_EVERY."""
+        if CPU_SAMPLE_EVERY <= 1:
+            return 1
+        u = 1.0 - self._kv_rng.random()  # in (0, 1]
+        return int(math.log(u) / math.log(1.0 - 1.0 / CPU_SAMPLE_EVERY)) + 1
+
     def _kv_on(self, hook: str) -> bool:
         return hook not in self.kvmetrics_broken_hooks
 
@@ -198,14 +237,28 @@ class InstrumentedMixin:
         finally:
             self._kv_cpu_ns += thread_time_ns() - start
 
+    def _kv_tally(self, hook: str, method: str, *args: Any) -> None:
+        """:meth:`_kv_call_guarded` without the clock, for a hook that is a counter
+        increment on ordinary steps (two clock reads would cost more than the work)."""
+        try:
+            getattr(self._kv, method)(*args)
+        except Exception:
+            self._kv_hook_failed(hook)
+
     # -- scheduling --------------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        if self._kv_on("scheduler.schedule"):
-            self._kv_after_schedule(out)
-        else:
+        if not self._kv_sched_on:
             self._kv.new_loads.clear()  # nobody will resolve their mode
+        else:
+            try:  # unreadable: the guarded hook meets the fault and counts it
+                kv = self._kv
+                busy = bool(kv.new_loads or kv.redo)
+            except Exception:
+                busy = True
+            if busy:  # else scheduled() would find nothing to do
+                self._kv_after_schedule(out)
         return out
 
     @_guarded("scheduler.schedule")
@@ -326,11 +379,16 @@ class InstrumentedMixin:
             self._kv_call_guarded("scheduler.update_from_output", "merge_events", events)
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        hook = "scheduler.update_from_output"
-        if not self._kv_on(hook):
+        if not self._kv_output_on:
             return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        self._kv_before_output(argument(args, kwargs, 0, "scheduler_output"),
-                               argument(args, kwargs, 1, "model_runner_output"))
+        try:  # unreadable: the guarded hook meets the fault and counts it
+            kv = self._kv
+            busy = bool(kv.sync_loads or kv.async_loads)
+        except Exception:
+            busy = True
+        if busy:  # else loads_done() would find nothing to do
+            self._kv_before_output(argument(args, kwargs, 0, "scheduler_output"),
+                                   argument(args, kwargs, 1, "model_runner_output"))
         result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
         self._kv_end_step()
         return result
@@ -346,15 +404,30 @@ class InstrumentedMixin:
                             set(getattr(kv_out, "failed_recving", None) or ()))
 
     def _kv_end_step(self) -> None:
+        self._kv_sample_in -= 1
+        if self._kv_sample_in:
+            self._kv_end_step_timed()
+            return
+        self._kv_sample_in = self._kv_gap()
         start = thread_time_ns()
         try:
             self._kv_end_step_timed()
         finally:
-            self._kv_cpu_ns += thread_time_ns() - start
+            self._kv_cpu_ns += (thread_time_ns() - start) * max(CPU_SAMPLE_EVERY, 1)
 
     def _kv_end_step_timed(self) -> None:
         hook = "scheduler.update_from_output"
         self._kv_step += 1
+        step = self._kv_step
+        if (self.kvmetrics_pipeline is not None and step % GAUGE_EVERY
+                and step % CPU_REPORT_EVERY and not self._kv_errors):
+            try:
+                kv = self._kv
+                if kv.quiet():
+                    kv.events.step = step + 1  # nothing happened: nothing to record
+                    return
+            except Exception:
+                pass  # the full path below meets the fault and counts it
         try:
             events = self._kv.take_step(self._kv_step)
         except Exception:
@@ -402,7 +475,7 @@ class InstrumentedMixin:
         events.gauges = self._kv_self_checks.gauges(me, self._kv_holding_attr, self._kv_step,
                                                     events)
         pool = me.kv_cache_manager.block_pool
-        if self._kv_step % POOL_AUDIT_EVERY and events.recovery_seconds is None:
+        if self._kv_step % self._kv_audit_every and events.recovery_seconds is None:
             return
         used = negative = 0
         for block in pool.blocks:

@@ -8,8 +8,10 @@ Only the split kvmetrics adds, requests waiting for remote KV, is read from vLLM
 queues: vLLM has no figure of its own for it.
 
 The self-checks compare what kvmetrics derives from vLLM's internals (its own walk of the
-queues it knows) with the figure vLLM computes, every :data:`SELF_CHECK_EVERY` steps: a
-handful of ``len()`` calls. A mismatch means a vLLM whose internals moved under
+queues it knows) with the figure vLLM computes, on every gauge read at a step that is a
+multiple of :data:`SELF_CHECK_EVERY` (with a pipeline the scheduler reads the gauges every
+32 steps and on steps that recorded something; without one, every step): a handful of
+``len()`` calls. A mismatch means a vLLM whose internals moved under
 kvmetrics (a new release, a fork, a patch): it is counted in
 ``kvmetrics_self_check_failures_total{check}`` each time it is seen, and logged once per
 check with both values. The checks never change what vLLM does.
