@@ -245,6 +245,16 @@ class InstrumentedMixin:
         except Exception:
             self._kv_hook_failed(hook)
 
+    def _kv_pending(self, *fields: str) -> bool:
+        """Whether the recorder holds work in any of these fields, so that a step with
+        none skips the hook; True when it cannot be read (the guarded hook then meets
+        the fault and counts it)."""
+        try:
+            kv = self._kv
+            return any(getattr(kv, name) for name in fields)
+        except Exception:
+            return True
+
     # -- scheduling --------------------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -252,12 +262,7 @@ class InstrumentedMixin:
         if not self._kv_sched_on:
             self._kv.new_loads.clear()  # nobody will resolve their mode
         else:
-            try:  # unreadable: the guarded hook meets the fault and counts it
-                kv = self._kv
-                busy = bool(kv.new_loads or kv.redo)
-            except Exception:
-                busy = True
-            if busy:  # else scheduled() would find nothing to do
+            if self._kv_pending("new_loads", "redo"):  # else scheduled() finds nothing
                 self._kv_after_schedule(out)
         return out
 
@@ -381,12 +386,7 @@ class InstrumentedMixin:
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         if not self._kv_output_on:
             return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        try:  # unreadable: the guarded hook meets the fault and counts it
-            kv = self._kv
-            busy = bool(kv.sync_loads or kv.async_loads)
-        except Exception:
-            busy = True
-        if busy:  # else loads_done() would find nothing to do
+        if self._kv_pending("sync_loads", "async_loads"):  # else loads_done() finds nothing
             self._kv_before_output(argument(args, kwargs, 0, "scheduler_output"),
                                    argument(args, kwargs, 1, "model_runner_output"))
         result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
