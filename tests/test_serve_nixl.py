@@ -50,6 +50,7 @@ from tests.helpers.nixl_pd import (
     started,
 )
 from tests.helpers.vllm_server import (
+    RECOVERED,
     VllmServer,
     greedy_prompts,
     output_tokens,
@@ -60,8 +61,6 @@ PROMPTS = greedy_prompts(6, seed=8, lengths=(100, 70, 130))
 WARM_UP = greedy_prompts(1, seed=9, lengths=(90,))[0]
 MAX_TOKENS = 6
 FAULTS = {"fault_rate": 0.3, "fault_seed": 10}
-RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
-                       r"\((\d+) tokens affected\)")
 INJECTED = re.compile(r"failing load #(\d+) of request (\S+) \((sync|async|emulated)\)")
 
 

@@ -43,6 +43,7 @@ from tests.helpers.prometheus import running_prometheus, scrape_config
 from tests.helpers.vllm_server import (
     BLOCK_SIZE,
     CONNECTOR_PROMPTS,
+    RECOVERED,
     ServerSpec,
     VllmServer,
     connector_config,
@@ -56,8 +57,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
 PROMPTS = CONNECTOR_PROMPTS
 MAX_TOKENS = 10
-RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
-                       r"\((\d+) tokens affected\)")
 INJECTED = re.compile(r"failing load #(\d+) of request (\S+) \((sync|async|emulated)\): "
                       r"blocks \[([\d, ]*)\]")
 

@@ -29,6 +29,7 @@ import pytest
 from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
 from tests.helpers.vllm_server import (
     BLOCK_SIZE,
+    RECOVERED,
     ServerSpec,
     VllmServer,
     greedy_prompts,
@@ -38,8 +39,6 @@ from tests.helpers.vllm_server import (
 MAX_TOKENS = 8
 LONG = greedy_prompts(1, seed=31, lengths=(300,))[0]
 INJECTED = re.compile(r"failing load #(\d+) of request (\S+) \((sync|async|emulated)\)")
-RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
-                       r"\((\d+) tokens affected\)")
 BYPASSED = re.compile(r"Bypassing LMCache for request (\S+) after a failed async KV load")
 
 

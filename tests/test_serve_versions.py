@@ -28,6 +28,7 @@ import pytest
 
 from tests.helpers.vllm_server import (
     CONNECTOR_PROMPTS,
+    RECOVERED,
     ServerSpec,
     VllmServer,
     connector_config,
@@ -38,8 +39,6 @@ from tests.helpers.vllm_server import (
 VERSIONS = ("0.30.0", "0.28.0")
 MAX_TOKENS = 6
 PROMPTS = CONNECTOR_PROMPTS[:6]
-RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
-                       r"\((\d+) tokens affected\)")
 ERRORS = "kvmetrics_instrumentation_errors_total"
 
 

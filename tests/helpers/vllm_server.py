@@ -37,6 +37,10 @@ from typing import Any
 from kvmetrics.lab.demo_model import TINY_LLAMA, tiny_llama_tensors
 from tests.helpers.prometheus import free_port
 
+#: vLLM's own log line for each step whose recovery path ran: (requests, tokens).
+RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
+                       r"\((\d+) tokens affected\)")
+
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULER = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
