@@ -59,3 +59,29 @@ def test_a_stalled_engine_ends_the_run_with_one_line(tmp_path) -> None:
         summary.pop("wall_seconds")
         summary["config"].pop("engine")
     assert totals[0] == totals[1]
+
+
+def test_the_model_folder_is_removed_when_its_process_exits(tmp_path) -> None:
+    """vLLM's config needs a model folder on disk; each process made one in the
+    temporary directory and left it there (hundreds after a test run). A forked child
+    that exits must not remove its parent's folder."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "from kvmetrics.integrations.vllm_lab.builder import model_dir\n"
+        "path = model_dir(64)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(path, os.path.isfile(os.path.join(path, 'config.json')))\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=120, check=True).stdout.split()
+    assert out[1] == "True", "a forked child's exit removed the parent's model folder"
+    assert out[0].startswith(str(tmp_path))
+    assert not os.path.exists(out[0])

@@ -9,8 +9,10 @@ drive both the reference engine and vLLM in a differential run.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +43,26 @@ _MODEL_CONFIG = {
 _model_dirs: dict[int, str] = {}
 
 
+def _remove_if_ours(path: str, owner_pid: int) -> None:
+    """Remove a model folder at exit, in the process that made it only.
+
+    A forked child inherits the exit handler; it must not delete the folder its
+    parent is still using.
+    """
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def model_dir(max_position_embeddings: int) -> str:
-    """A folder holding only a config.json, made once per process and length."""
+    """A folder holding only a config.json, made once per process and length.
+
+    It is removed when the process exits (one folder per process was left in the
+    temporary directory before).
+    """
     path = _model_dirs.get(max_position_embeddings)
     if path is None or not os.path.isdir(path):
         path = tempfile.mkdtemp(prefix="kvmetrics-vllm-model-")
+        atexit.register(_remove_if_ours, path, os.getpid())
         cfg = dict(_MODEL_CONFIG, max_position_embeddings=max_position_embeddings)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(cfg, f)
