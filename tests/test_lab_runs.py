@@ -48,11 +48,21 @@ def test_historical_accounting_counts_violations_but_completes() -> None:
     assert "refused negative increment of kvmetrics_" in result.stderr
 
 
-def test_strict_makes_historical_accounting_fail() -> None:
-    result = run_cli("run", "--verify", "off", "--strict", *HISTORICAL)
+def test_strict_makes_historical_accounting_fail_and_keeps_what_ran(tmp_path) -> None:
+    """A --strict stop ends the run at the first refused increment; the steps run so far
+    are still summarised, written to --output and --report, with the reason."""
+    out, page = tmp_path / "run.json", tmp_path / "run.html"
+    result = run_cli("run", "--verify", "off", "--strict", "--json", "--output", str(out),
+                     "--report", str(page), *HISTORICAL)
     assert result.returncode == 1
     assert "strict mode" in result.stderr
     assert "Traceback" not in result.stderr
+    saved = json.loads(out.read_text())
+    assert saved["stopped"].startswith("strict mode: ")
+    assert saved["guard_rejected_increments"] == 1  # stopped at the first one
+    assert saved["steps"] == json.loads(result.stdout)["steps"] > 0
+    assert saved["requests"]["finished"] < saved["requests"]["submitted"]
+    assert "partial run: strict mode: " in page.read_text()
 
 
 def _scraped_counters(page: str) -> dict[tuple[str, tuple[str, ...]], float]:
@@ -124,3 +134,4 @@ def test_a_stalled_run_still_writes_its_outputs(tmp_path) -> None:
     assert saved["steps"] == json.loads(result.stdout)["steps"] > 1000
     assert saved["requests"]["finished"] < 40
     assert "<svg" in page.read_text()
+    assert "partial run: the reference engine stalled" in page.read_text()

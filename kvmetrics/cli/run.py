@@ -259,8 +259,8 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_OUTPUT if False in written else EXIT_STRICT
     except Exception as e:
         if is_verification_error(e):
-            print(f"kvmetrics: strict mode: {e}", file=sys.stderr)
-            return EXIT_STRICT
+            say(f"strict mode: {e}")
+            return EXIT_OUTPUT if False in written else EXIT_STRICT
         raise
     if False in written:
         return EXIT_OUTPUT

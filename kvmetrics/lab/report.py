@@ -452,6 +452,17 @@ def _config(config: dict[str, Any]) -> Markup:
     return html('{}<div class="config">{}</div>', head, parts)
 
 
+def _cut_short(document: dict[str, Any]) -> Markup | str:
+    """Why the run ended before its workload did, for the line under the title: an
+    interrupt, a stall or a --strict stop (the figures cover the steps it ran)."""
+    if document.get("interrupted"):
+        return html(" &middot; <b>interrupted ({}): partial run</b>", document["interrupted"])
+    for key in ("stalled", "stopped"):
+        if document.get(key):
+            return html(' &middot; <b class="cut">partial run: {}</b>', document[key])
+    return ""
+
+
 def render_report(document: dict[str, Any], docs_dir: Path = DOCS_DIR) -> str:
     """The HTML page for one run document (see :meth:`LabResult.document`), with the
     sections of the docs in ``docs_dir`` that it links to copied in."""
@@ -476,13 +487,11 @@ def render_report(document: dict[str, Any], docs_dir: Path = DOCS_DIR) -> str:
                             "</figcaption></figure>", i, svg, tl.per,
                             "; red bands: steps with stale KV reads" if spans else ""))
     r = document["requests"]
-    interrupted = document.get("interrupted")
     meta = html("engine {engine} &middot; {submitted:,} requests &middot; {steps:,} steps "
                 "&middot; {wall:.2f} s &middot; kvmetrics {version}{cut}",
                 engine=document["engine"], submitted=r["submitted"], steps=document["steps"],
                 wall=document.get("wall_seconds", 0), version=__version__,
-                cut=html(" &middot; <b>interrupted ({}): partial run</b>", interrupted)
-                if interrupted else "")
+                cut=_cut_short(document))
     return "\n".join([
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',

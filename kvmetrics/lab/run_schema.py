@@ -199,6 +199,7 @@ def check_run_document(document: Any) -> None:
     fields.update({
         "findings": FINDINGS, "violations": list_of(VIOLATION, 1000),
         "config": _config_fields(), "timeline": TIMELINE, "interrupted": optional(text),
+        "stalled": optional(text), "stopped": optional(text),
     })
     obj(fields, required=("engine", "requests", "steps", "verification", "timeline"))(
         document, "")

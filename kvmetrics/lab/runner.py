@@ -21,6 +21,7 @@ from kvmetrics.exporters.prometheus import (
     serve,
 )
 from kvmetrics.instrument.wrapper import InstrumentedEngine
+from kvmetrics.kv_errors import is_verification_error
 from kvmetrics.lab import synthetic
 from kvmetrics.lab.config import LabConfig, LabError
 from kvmetrics.lab.engines import build_engine
@@ -30,6 +31,7 @@ from kvmetrics.lab.summary import build_summary
 from kvmetrics.lab.timeline import TimelineSink
 from kvmetrics.lab.traces import load_trace
 from kvmetrics.lab.workload import WorkItem
+from kvmetrics.metrics.guard import CounterViolationError
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = logging.getLogger("kvmetrics.lab")
@@ -162,7 +164,9 @@ def run_lab(cfg: LabConfig, items: list[WorkItem] | None = None,
 
     On an interrupt (KeyboardInterrupt) during the steps, ``on_finished`` sees the
     result so far, with ``interrupted`` set, and the interrupt is raised again; on a
-    stall likewise, with the summary's ``stalled`` saying where, then EngineStalled."""
+    stall likewise, with the summary's ``stalled`` saying where, then EngineStalled; on
+    a ``--strict`` stop (a guard rejection, an invariant violation, a stale KV read)
+    likewise, with ``stopped`` saying why, then the error."""
     narrator = narrator or Narrator()
     cfg.validate()
     if items is None:
@@ -229,11 +233,15 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
     progress = Progress(len(items), enabled=cfg.progress)
     aborted: dict[str, int] = {}
     state = _LoopState()
-    interrupt: KeyboardInterrupt | EngineStalled | None = None
+    interrupt: BaseException | None = None
     try:
         _loop(cfg, items, instrumented, engine, timeline, progress, aborted, state)
-    except (KeyboardInterrupt, EngineStalled) as e:
+    except (KeyboardInterrupt, EngineStalled, CounterViolationError) as e:
         interrupt = e  # the steps run so far are summarised and written, then it is raised
+    except Exception as e:
+        if not is_verification_error(e):  # --strict's stop at a stale read: kept likewise
+            raise
+        interrupt = e
     finally:
         progress.close()
     summary = build_summary(pipeline.totals, engine=engine.kind, submitted=state.arrived,
@@ -246,6 +254,8 @@ def _drive(cfg: LabConfig, items: list[WorkItem], instrumented: InstrumentedEngi
     result = LabResult(summary, pipeline, prometheus, engine.findings, timeline, cfg)
     if isinstance(interrupt, EngineStalled):
         summary["stalled"] = str(interrupt)
+    elif isinstance(interrupt, Exception):
+        summary["stopped"] = f"strict mode: {interrupt}"
     elif interrupt is not None:
         result.interrupted = int(getattr(interrupt, "signum", signal.SIGINT))
         summary["interrupted"] = signal.Signals(result.interrupted).name
