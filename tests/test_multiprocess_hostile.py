@@ -171,6 +171,23 @@ def test_a_pid_that_overflows_os_kill_a_fifo_and_a_link_are_skipped_files(mpdir:
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
+def test_a_file_name_cannot_forge_or_rewrite_a_log_line(mpdir: Path) -> None:
+    """The error naming a skipped file carries the name as it is on disk; a name
+    holding a line feed forged a second, official-looking log line, and an escape
+    sequence or U+202E rewrote the one shown. Every kvmetrics logger escapes them."""
+    name = "counter_1\nkvmetrics: all files fine\x1b[2J\u202e.db"
+    (mpdir / name).write_bytes(b"x")
+    out = mpdir.parent / "page.txt"
+    render = _python(mpdir, "-m", "tests.helpers.mp_worker", "render", str(out))
+    assert render.returncode == 0, render.stderr[-2000:]
+    lines = [line for line in render.stderr.splitlines() if "skipping multiprocess" in line]
+    assert len(lines) == 1, render.stderr[-2000:]
+    assert "counter_1\\nkvmetrics: all files fine\\x1b[2J\\u202e.db" in lines[0]
+    assert not any(line.startswith("kvmetrics: all files fine")
+                   for line in render.stderr.splitlines())
+    assert "\x1b" not in render.stderr and "\u202e" not in render.stderr
+
+
 # -- case 13: a header that lies, and thousands of dead processes --------------------------
 
 def _limit_memory() -> None:

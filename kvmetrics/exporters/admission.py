@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-log = logging.getLogger("kvmetrics.http")
+from kvmetrics.metrics.logs import get_logger
+
+log = get_logger("kvmetrics.http")
 
 
 @dataclass(frozen=True)

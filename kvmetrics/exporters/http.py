@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import logging
 import os
 import socket
 import ssl
@@ -43,10 +42,11 @@ from kvmetrics.exporters.admission import (
     State,
 )
 from kvmetrics.exporters.pages import Page, PageCache, render_page, route
+from kvmetrics.metrics.logs import get_logger
 
 __all__ = ["HTTPEndpoint", "Page", "ServerLimits", "render_page", "start_endpoint"]
 
-log = logging.getLogger("kvmetrics.http")
+log = get_logger("kvmetrics.http")
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 413: "Content Too Large",

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -45,8 +44,9 @@ from kvmetrics.exporters.mpfiles import (
     read_bytes,
 )
 from kvmetrics.exporters.pages import PageUnavailable
+from kvmetrics.metrics.logs import get_logger
 
-log = logging.getLogger("kvmetrics.multiprocess")
+log = get_logger("kvmetrics.multiprocess")
 
 
 def _alive(pid: int) -> bool:

@@ -16,7 +16,6 @@ the ``instance`` label; ``OTEL_RESOURCE_ATTRIBUTES`` can override it).
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import socket
 import threading
@@ -31,6 +30,7 @@ from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from kvmetrics import __version__
 from kvmetrics.metrics.catalogue import ALL_METRICS, MetricSpec
 from kvmetrics.metrics.events import GaugeReadings
+from kvmetrics.metrics.logs import get_logger
 
 _UNITS = {"seconds": "s", "ratio": "1", "": ""}
 #: The most a process's exit waits for its last OTLP push. The SDK's own shutdown
@@ -39,7 +39,7 @@ _UNITS = {"seconds": "s", "ratio": "1", "": ""}
 #: a stopping engine that long.
 SHUTDOWN_TIMEOUT_S = 3.0
 
-log = logging.getLogger("kvmetrics.exporters.otel")
+log = get_logger("kvmetrics.exporters.otel")
 
 
 def otel_unit(spec: MetricSpec) -> str:

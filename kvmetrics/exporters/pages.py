@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import inspect
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor
@@ -35,7 +34,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import exposition as om_exposition
 from prometheus_client.registry import Collector
 
-log = logging.getLogger("kvmetrics.http")
+from kvmetrics.metrics.logs import get_logger
+
+log = get_logger("kvmetrics.http")
 
 _ALLOW = "GET, HEAD, OPTIONS"
 #: Pages kept per snapshot (variants: format x gzip x ``name[]``); more are rendered

@@ -9,7 +9,6 @@ the sum of all of them.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import ssl
 import threading
@@ -39,8 +38,9 @@ from kvmetrics.metrics.catalogue import (
     MetricSpec,
 )
 from kvmetrics.metrics.events import GaugeReadings
+from kvmetrics.metrics.logs import get_logger
 
-log = logging.getLogger("kvmetrics.prometheus")
+log = get_logger("kvmetrics.prometheus")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9400

@@ -8,14 +8,14 @@ without it).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Protocol
 
 from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.guard import CounterViolationError
+from kvmetrics.metrics.logs import get_logger
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
-log = logging.getLogger("kvmetrics.instrument")
+log = get_logger("kvmetrics.instrument")
 
 
 class EventSource(Protocol):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import random
 import signal
 import time
@@ -32,9 +31,10 @@ from kvmetrics.lab.timeline import TimelineSink
 from kvmetrics.lab.traces import load_trace
 from kvmetrics.lab.workload import WorkItem
 from kvmetrics.metrics.guard import CounterViolationError
+from kvmetrics.metrics.logs import get_logger
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
-log = logging.getLogger("kvmetrics.lab")
+log = get_logger("kvmetrics.lab")
 
 #: Consecutive steps that schedule nothing while requests wait before a run is
 #: declared stalled (async loads complete within a few steps; vLLM 0.33 can stall

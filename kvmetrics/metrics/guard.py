@@ -12,16 +12,16 @@ raises instead.
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 from dataclasses import dataclass
 
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement
+from kvmetrics.metrics.logs import get_logger
 from kvmetrics.metrics.text import short_repr, short_text
 
-log = logging.getLogger("kvmetrics.guard")
+log = get_logger("kvmetrics.guard")
 
 
 #: Longest request id and detail a violation keeps (escaped; the rest is cut, marked

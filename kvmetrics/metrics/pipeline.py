@@ -8,7 +8,6 @@ strict mode, which is what strict mode is for.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Collection, Sequence
 
 from kvmetrics import __version__
@@ -16,10 +15,11 @@ from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import GaugeReadings, StepEvents
 from kvmetrics.metrics.guard import Violation, guard_increment, report
 from kvmetrics.metrics.invariants import InvariantChecker
+from kvmetrics.metrics.logs import get_logger
 from kvmetrics.metrics.sink import MetricSink
 from kvmetrics.metrics.totals import Totals
 
-log = logging.getLogger("kvmetrics.pipeline")
+log = get_logger("kvmetrics.pipeline")
 
 
 #: Violations kept for reports; a long broken run keeps counting but stops keeping them.

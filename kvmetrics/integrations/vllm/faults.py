@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,13 +95,14 @@ from kvmetrics.integrations.vllm.fault_plan import (
     parse_settings,
     poison_blocks,
 )
+from kvmetrics.metrics.logs import get_logger
 
 __all__ = ["FAULT_MODES", "POISON_SCALE", "FaultConfigError", "FaultInjectingConnector",
            "FaultInjectingMetadata", "FaultPlan", "FaultSettings", "InjectedFault",
            "parse_settings", "poison_blocks"]
 
 # Under vLLM's logger tree so the lines carry vLLM's prefix (process, time).
-log = logging.getLogger("vllm.kvmetrics.faults")
+log = get_logger("vllm.kvmetrics.faults")
 
 @dataclass
 class FaultInjectingMetadata(KVConnectorMetadata):
