@@ -23,7 +23,8 @@ ALLOWED: dict[str, tuple[set[str], set[str]]] = {
     "kv": ({"kv", "engine", "metrics"}, {"torch", "numpy"}),
     # Not "integrations": engines register through an entry point (test below).
     # torch: the demo model's weights (lab/demo_model.py), drawn like the data plane's.
-    "lab": ({"lab", "engine", "metrics", "exporters", "instrument", "kv"},
+    # kv_errors: telling the data plane's strict stop apart without importing torch.
+    "lab": ({"lab", "engine", "metrics", "exporters", "instrument", "kv", "kv_errors"},
             {"rich", "matplotlib", "torch"}),
     "integrations": ({"integrations", "lab", "engine", "metrics", "exporters", "instrument",
                       "kv"}, {"vllm", "prometheus_client", "opentelemetry", "torch"}),
@@ -108,3 +109,28 @@ def test_what_ships_into_vllm_serve_imports_only_the_core() -> None:
                 problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
             # Lazy imports inside functions count too: _imports walks the whole tree.
     assert problems == []
+
+
+def test_every_kvmetrics_logger_escapes_what_it_logs() -> None:
+    """Each logger kvmetrics writes to carries the one-line filter (metrics/logs.py), so
+    no logged value can forge or rewrite a line: checked on the loggers that exist
+    once every module is imported, so a new module's plain logger is found."""
+    script = (
+        "import importlib, logging, pkgutil, kvmetrics\n"
+        "from kvmetrics.metrics.logs import OneLineFilter\n"
+        "for m in pkgutil.walk_packages(kvmetrics.__path__, 'kvmetrics.'):\n"
+        "    if not m.name.endswith('__main__'):\n"
+        "        importlib.import_module(m.name)\n"
+        "for name, logger in sorted(logging.Logger.manager.loggerDict.items()):\n"
+        "    if (name.startswith(('kvmetrics', 'vllm.kvmetrics'))\n"
+        "            and isinstance(logger, logging.Logger)):\n"
+        "        ok = any(isinstance(f, OneLineFilter) for f in logger.filters)\n"
+        "        print(name, ok)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, check=True,
+                         env={**__import__("os").environ, "VLLM_TARGET_DEVICE": "cpu"})
+    rows = dict(line.split() for line in out.stdout.splitlines())
+    assert "kvmetrics.http" in rows and "vllm.kvmetrics" in rows
+    assert [name for name, ok in rows.items() if ok != "True"] == []
+

@@ -52,7 +52,6 @@ directory instead (the one vLLM's API server reads when it is set before
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -69,6 +68,7 @@ from kvmetrics.exporters.prometheus import (
 )
 from kvmetrics.metrics.files import FileRefused, write_file
 from kvmetrics.metrics.labels import check_label_value, model_label
+from kvmetrics.metrics.logs import get_logger
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from kvmetrics.metrics.sink import MetricSink
 
@@ -76,7 +76,7 @@ from kvmetrics.metrics.sink import MetricSink
 #: it with ``propagate=False`` and leaves the root logger bare), so kvmetrics' lines reach
 #: the server's log in vLLM's format, with the EngineCore process prefix.
 LOGGER = "vllm.kvmetrics"
-log = logging.getLogger(LOGGER)
+log = get_logger(LOGGER)  # shared by the vLLM-side modules: escaped once here
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9401"
 _OFF = ("", "off", "none", "0", "false", "no")
