@@ -24,6 +24,7 @@ inside a timed step (they are replaced, untimed, before they would run out of bl
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 from dataclasses import dataclass
@@ -169,8 +170,13 @@ def rows(quick: bool = False) -> list[Any]:
     rounds, steps = (6, 30) if quick else (32, 100)
     out: list[Row] = []
     for n in (16, 64, 256):
+        load_before = os.getloadavg()[0]
         c = measure(n, rounds, steps)
         case = f"{n} running, {c.rounds} rounds x {c.steps} steps/mode"
+        # Other processes on the machine widen every interval: say how busy it was
+        # (this benchmark itself keeps one core busy).
+        out.append(Row("load average (1 min), before / after", case, load_before,
+                       f"/ {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"))
         # A verdict only where the method resolves vLLM's own stats cost at all.
         resolved = 0 < c.control_us[2] - c.control_us[0] < c.stats_us[1]
         out += [
@@ -195,7 +201,6 @@ def rows(quick: bool = False) -> list[Any]:
 if __name__ == "__main__":
     import argparse
     import logging
-    import os
 
     from benchmarks.common import render
 

@@ -262,9 +262,9 @@ def test_a_vllm_without_the_failed_recving_path_needs_no_hook_for_it(
 def test_kvmetrics_own_cpu_time_is_exported(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from kvmetrics.integrations.vllm import scheduler as instrumented
+    from kvmetrics.integrations.vllm import step_end
 
-    monkeypatch.setattr(instrumented, "CPU_REPORT_EVERY", 1)
+    monkeypatch.setattr(step_end, "CPU_REPORT_EVERY", 1)
     start = time.thread_time()
     engine = run_failing_load()
     whole_run = time.thread_time() - start

@@ -53,3 +53,56 @@ def test_quiet_steps_record_nothing_and_the_gauges_stay_vllms() -> None:
     assert read[-1][1].running == 0  # the last step (the finishes) was read
     finished = pipeline.totals.by_metric(cat.FINISHED_REQUESTS)
     assert sum(finished.values()) == REQUESTS
+
+
+def test_a_quiet_step_is_one_call_deep() -> None:
+    """On a decode step that records nothing and reads no clock, the only kvmetrics
+    functions that run are the two overrides and the block pool's eviction counter:
+    no helper, no guard, no pass-through layer of a mode that is off."""
+    import os
+    import sys
+
+    store = ExternalStoreIndex(16)
+    engine = VllmEngine(CONFIG, SimulatedExecutor(None, store), store=store,
+                        kvmetrics_settings={"metrics_addr": "off"})
+    sched = engine.scheduler
+    assert not sched.kvmetrics_protecting
+    for i in range(REQUESTS):
+        engine.add_request(Request(f"r{i}", ExplicitTokens(list(range(i * 100, i * 100 + 40))),
+                                   OUTPUT))
+    for _ in range(3):
+        engine.step()  # admissions and prefill: recorded, not quiet
+    pipeline = sched.kvmetrics_pipeline
+    record = pipeline.record
+    recorded: list[int] = []
+
+    def counted(events):  # noqa: ANN001, ANN202
+        recorded.append(events.step)
+        record(events)
+
+    pipeline.record = counted
+    ours = os.path.dirname(instrumented.__file__) + os.sep  # not vllm_lab/
+    # (kvmetrics_merge: the lab's model runner handing its own events, None here; vLLM
+    # never calls it.)
+    allowed = {"schedule", "update_from_output", "maybe_evict_hook", "kvmetrics_merge"}
+    quiet = 0
+    for _ in range(2 * instrumented.GAUGE_EVERY):
+        sched._kv_sched_in = sched._kv_out_in = 1 << 30  # no sampled (clocked) call
+        step = sched._kv_step + 1
+        called: list[str] = []
+
+        def profile(frame, event, arg, called=called):  # noqa: ANN001, ANN202
+            if event == "call" and frame.f_code.co_filename.startswith(ours):
+                called.append(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        try:
+            engine.step()
+        finally:
+            sys.setprofile(None)
+        if step not in recorded:
+            quiet += 1
+            assert set(called) <= allowed, called
+            assert called.count("schedule") == called.count("update_from_output") == 1
+    engine.close()
+    assert quiet > instrumented.GAUGE_EVERY
