@@ -1,9 +1,8 @@
 """The instrumented scheduler's hooks on vLLM's rare paths, and their fault policy.
 
 Preemptions, finishes and the recovery path (failed KV loads) happen on a small share
-of steps; each hook here is timed every time it runs (it runs inside one of vLLM's own
-calls, where the sampled timing of :mod:`.scheduler`'s overrides cannot see it) and
-keeps the full detail of what it saw. Whether a hook is usable was decided once at
+of steps; each hook here is timed every time it runs (:mod:`.owncost`) and keeps the
+full detail of what it saw. Whether a hook is usable was decided once at
 construction (``_kv_off``, the hooks :mod:`.hooks` found broken): a broken one only
 calls vLLM.
 
@@ -31,25 +30,10 @@ from kvmetrics.metrics.guard import CounterViolationError
 log = logging.getLogger(LOGGER)
 
 
-def _guarded(hook: str, timed: bool = True) -> Callable[[Callable[..., None]],
-                                                         Callable[..., None]]:
-    """Run the metrics side of ``hook``; count and log its faults, never raise them.
-    ``timed``: add its thread CPU time to kvmetrics' own (False for work inside an
-    override's body, which the override's sampling already counts)."""
+def _guarded(hook: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Run the metrics side of ``hook``, timed; count and log its faults, never raise them."""
 
     def wrap(fn: Callable[..., None]) -> Callable[..., None]:
-        if not timed:
-            @functools.wraps(fn)
-            def run_untimed(self: Any, *args: Any, **kwargs: Any) -> None:
-                try:
-                    fn(self, *args, **kwargs)
-                except CounterViolationError:
-                    raise
-                except Exception:
-                    self._kv_hook_failed(hook)
-
-            return run_untimed
-
         @functools.wraps(fn)
         def run(self: Any, *args: Any, **kwargs: Any) -> None:
             start = thread_time_ns()
@@ -60,7 +44,7 @@ def _guarded(hook: str, timed: bool = True) -> Callable[[Callable[..., None]],
             except Exception:
                 self._kv_hook_failed(hook)
             finally:
-                self._kv_cpu_ns += thread_time_ns() - start + self._kv_clock_ns
+                self._kv_timed(thread_time_ns() - start)
 
         return run
 
@@ -74,9 +58,13 @@ class EventHooks:
     _kv_off: frozenset[str]
     _kv_errors: dict[str, int]
     _kv_logged: set[str]
-    _kv_cpu_ns: int
+    _kv_cpu_ns: float
     #: One clock read (owncost.Calibration.clock_ns): a timed interval sees one of its two.
     _kv_clock_ns: int
+
+    def _kv_timed(self, ns: int) -> None:
+        """Count a timed call: its interval plus the clock read the interval missed."""
+        self._kv_cpu_ns += ns + self._kv_clock_ns
 
     def _kv_hook_failed(self, hook: str) -> None:
         """A hook raised: count it on the endpoint, log its first fault (with traceback)."""
@@ -96,7 +84,7 @@ class EventHooks:
         except Exception:
             self._kv_hook_failed(hook)
         finally:
-            self._kv_cpu_ns += thread_time_ns() - start + self._kv_clock_ns
+            self._kv_timed(thread_time_ns() - start)
 
     def kvmetrics_merge(self, events: StepEvents | None) -> None:
         """Fold a model runner's own events (verification) into the current step."""

@@ -34,8 +34,6 @@ raises, each time) in ``kvmetrics_instrumentation_errors_total{hook}``.
 from __future__ import annotations
 
 import logging
-from math import gcd
-from time import thread_time_ns
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -62,8 +60,8 @@ from kvmetrics.integrations.vllm.protect import (
 from kvmetrics.integrations.vllm.recorder import StepRecorder
 from kvmetrics.integrations.vllm.selfcheck import SelfChecks
 from kvmetrics.integrations.vllm.step_end import (  # noqa: F401 - the documented names
-    CPU_REPORT_EVERY,
     GAUGE_EVERY,
+    GAUGE_MIN_INTERVAL_S,
     POOL_AUDIT_BLOCKS,
     POOL_AUDIT_EVERY,
     StepEnd,
@@ -81,10 +79,9 @@ class InstrumentedMixin(StepEnd, EventHooks):
 
     The two overrides vLLM calls on every step (``schedule``, ``update_from_output``)
     are one call deep on a step where nothing happened: vLLM's method, then a few
-    attribute tests and integer updates inline, no further call, no clock (one call in
-    ``owncost.SAMPLE_EVERY`` reads it). Everything that can be decided once (hooks
-    usable, protective mode on or off, the clock's calibration) is decided at
-    construction.
+    attribute tests and integer updates inline, no further call, no clock. Everything
+    that can be decided once (hooks usable, protective mode on or off, the calibration
+    of the CPU estimate) is decided at construction.
     """
 
     kvmetrics_exporter: Exporter | None
@@ -134,13 +131,13 @@ class InstrumentedMixin(StepEnd, EventHooks):
         self._kv = StepRecorder(me.block_size, policy, me.connector is not None,
                                 schedule_hooked="scheduler.schedule" not in self._kv_off)
         self._kv_output_off = _OUTPUT_HOOK in self._kv_off
-        #: Steps whose number is a multiple of this read the gauges (and report the CPU).
-        self._kv_every = gcd(step_end.GAUGE_EVERY, step_end.CPU_REPORT_EVERY)
+        self._kv_read_gap_ns = round(step_end.GAUGE_MIN_INTERVAL_S * 1e9)
+        self._kv_read_next_ns = 0  # the first GAUGE_EVERY-th step reads them
         self._kv_setup_cost()
         blocks = me.kv_cache_manager.block_pool.num_gpu_blocks
         every = max(step_end.POOL_AUDIT_EVERY, blocks // step_end.POOL_AUDIT_BLOCKS)
-        # A multiple of GAUGE_EVERY: the audit runs with a gauge read.
-        self._kv_audit_every = -(-every // step_end.GAUGE_EVERY) * step_end.GAUGE_EVERY
+        self._kv_audit_every = every
+        self._kv_audit_next = every
         verification = self.kvmetrics_vllm
         if verification is not None and not verification.verified:
             log.warning("kvmetrics: %s; kvmetrics was not verified on this vLLM code, so the "
@@ -194,20 +191,17 @@ class InstrumentedMixin(StepEnd, EventHooks):
                         ", ".join(sorted(hooks.BY_NAME[name].families)) or "nothing")
 
     def _kv_setup_cost(self) -> None:
-        """The sampling countdowns and the calibration of kvmetrics' own CPU estimate."""
+        """The calibration of kvmetrics' own CPU estimate (owncost), once per process."""
+        self._kv_charged_step = 0
+        self._kv_charged_evictions = 0
         try:
-            cal = owncost.calibrate()
+            cal = owncost.calibrate(InstrumentedMixin)
         except Exception:
             log.exception("kvmetrics could not calibrate its CPU estimate; it will leave "
-                          "out the calls it does not time")
+                          "out the work it does not time")
             cal = owncost.Calibration()
         self._kv_cal = cal
         self._kv_clock_ns = round(cal.clock_ns)
-        self._kv_sampler = owncost.Sampler()
-        self._kv_sched_in = self._kv_sampler.gap()
-        self._kv_out_in = self._kv_sampler.gap()
-        self._kv_charged_step = 0
-        self._kv_charged_evictions = 0
 
     def _kv_on(self, hook: str) -> bool:
         return hook not in self._kv_off
@@ -215,11 +209,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
     # -- the two overrides of every step -----------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        n = self._kv_sched_in - 1
-        self._kv_sched_in = n or self._kv_sampler.gap()
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        if not n:
-            t0 = thread_time_ns()
         kv = self._kv
         try:
             pending = kv.new_loads or kv.redo  # else scheduled() finds nothing
@@ -227,17 +217,11 @@ class InstrumentedMixin(StepEnd, EventHooks):
             pending = True  # the guarded hook meets the fault and counts it
         if pending:
             self._kv_after_schedule(out)
-        if not n:
-            self._kv_sampled(thread_time_ns() - t0, 1)
         return out
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         if self._kv_output_off:
             return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        n = self._kv_out_in - 1
-        self._kv_out_in = n or self._kv_sampler.gap()
-        if not n:
-            t0 = thread_time_ns()
         kv = self._kv
         try:
             pending = kv.sync_loads or kv.async_loads  # else loads_done() finds nothing
@@ -245,30 +229,23 @@ class InstrumentedMixin(StepEnd, EventHooks):
             pending = True
         if pending:
             self._kv_before_output(args, kwargs)
-        if not n:
-            t1 = thread_time_ns()
         result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        if not n:
-            t2 = thread_time_ns()
         step = self._kv_step = self._kv_step + 1
         try:
             ev = kv.events
-            quiet = (step % self._kv_every and self.kvmetrics_pipeline is not None
-                     and not self._kv_errors
-                     and not (ev.increments or ev.rollbacks or ev.discarded_tokens
-                              or ev.recovery_seconds is not None or ev.gauges is not None
-                              or ev.pool is not None))
+            eventless = (self.kvmetrics_pipeline is not None and not self._kv_errors
+                         and not (ev.increments or ev.rollbacks or ev.discarded_tokens
+                                  or ev.recovery_seconds is not None or ev.gauges is not None
+                                  or ev.pool is not None))
         except Exception:
-            quiet = False  # the full path below meets the fault and counts it
-        if quiet:
+            eventless = False  # the full path below meets the fault and counts it
+        if eventless and step % GAUGE_EVERY:
             ev.step = step + 1  # nothing happened: nothing to record
         else:
-            self._kv_end_step(step)
-        if not n:
-            self._kv_sampled(t1 - t0 + thread_time_ns() - t2, 2)
+            self._kv_end_step(step, eventless)
         return result
 
-    @_guarded("scheduler.schedule", timed=False)
+    @_guarded("scheduler.schedule")
     def _kv_after_schedule(self, out: Any) -> None:
         me: Any = self
         requests = me.requests
@@ -281,7 +258,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
         self._kv.scheduled(id(out), out.num_scheduled_tokens,
                            lambda rid: requests[rid].num_computed_tokens, async_admitted)
 
-    @_guarded(_OUTPUT_HOOK, timed=False)
+    @_guarded(_OUTPUT_HOOK)
     def _kv_before_output(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         scheduler_output = argument(args, kwargs, 0, "scheduler_output")
         kv_out = argument(args, kwargs, 1, "model_runner_output").kv_connector_output

@@ -2,16 +2,17 @@
 
 Most decode steps record nothing (:class:`~.scheduler.InstrumentedMixin`'s
 ``update_from_output`` tests that inline); a step that did something, and every
-``gcd(GAUGE_EVERY, CPU_REPORT_EVERY)``-th step, comes here: the recorder's events are
-taken, vLLM's gauges read (with the self-checks, and now and then the pool audit), the
-CPU estimate reported, and the step handed to the pipeline (or kept for
-``drain_events`` when there is none).
+GAUGE_EVERY-th step, comes here: on the latter only the time is read unless the gauges
+are due. A recorded step's events are taken, vLLM's gauges read (with the self-checks,
+and now and then the pool audit), the CPU estimate reported when due, and the step
+handed to the pipeline (or kept for ``drain_events`` when there is none).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from time import monotonic_ns, thread_time_ns
 from typing import Any
 
 from kvmetrics.integrations.vllm import owncost
@@ -26,39 +27,39 @@ from kvmetrics.metrics.pipeline import MetricsPipeline
 log = logging.getLogger(LOGGER)
 
 #: The pool audit walks every block (O(blocks)), so it runs on every step that ran the
-#: recovery path and otherwise every ``max(POOL_AUDIT_EVERY, blocks // POOL_AUDIT_BLOCKS)``
-#: steps: about POOL_AUDIT_BLOCKS blocks walked per step, whatever the cache size. A
+#: recovery path and otherwise with the first gauge read once
+#: ``max(POOL_AUDIT_EVERY, blocks // POOL_AUDIT_BLOCKS)`` steps have passed since the
+#: last: at most POOL_AUDIT_BLOCKS blocks walked per step, whatever the cache size. A
 #: pool inconsistency that persists (a leaked block, a negative reference count) is
-#: seen within that many steps; one that appears and heals between two audits away
-#: from the recovery path is not.
+#: seen within that many steps plus one gauge interval; one that appears and heals
+#: between two audits away from the recovery path is not.
 POOL_AUDIT_EVERY = 1024
 POOL_AUDIT_BLOCKS = 8
 
 #: With a pipeline (as under ``vllm serve``), a step where nothing happened (no
 #: admission, load, preemption, finish or fault) records nothing; its evictions are
 #: counted with the next step recorded. The gauges are read on every step that
-#: recorded something and on every GAUGE_EVERY-th step (so the gauges and the eviction
-#: counter lag vLLM by fewer than GAUGE_EVERY steps). Without a pipeline (the lab's
-#: drained events) every step is handed on with its gauges, as before.
+#: recorded something and, between those, on a GAUGE_EVERY-th step once
+#: GAUGE_MIN_INTERVAL_S has passed since the last read: so they lag vLLM by the longer
+#: of GAUGE_EVERY steps and GAUGE_MIN_INTERVAL_S (far below a scrape interval), and on a
+#: fast CPU-only scheduler (a few hundred microseconds a step) the reads are 0.25 s
+#: apart, not 32 steps. Without a pipeline (the lab's drained events) every step is
+#: handed on with its gauges, as before.
 #:
-#: Why every GAUGE_EVERY steps on the scheduler thread, not at scrape time on the
-#: endpoint's thread: a reading is several reads of vLLM's queues and block pool (the
-#: request counts, the requests whose KV is arriving, the cache usage, the self-checks
-#: that compare two of them, the pool audit) that must see one state. vLLM's scheduler
-#: is single-threaded and mutates those structures without a lock; the GIL makes one
-#: ``len()`` atomic, not a sequence of them, and iterating a deque the scheduler appends
-#: to raises. So the scheduler thread reads them between two of its own steps and
-#: publishes the readings as one immutable snapshot (``GaugeReadings``), which the
-#: scrape reads (``PrometheusSink`` keeps the latest per engine); multiprocess files and
-#: OTLP pushes, which have no scrape in this process, get the same snapshot. A reading
-#: costs a few microseconds, a fraction of a microsecond per step at this cadence.
+#: Why on the scheduler thread, not at scrape time on the endpoint's thread: a reading
+#: is several reads of vLLM's queues and block pool (the request counts, the requests
+#: whose KV is arriving, the cache usage, the self-checks that compare two of them, the
+#: pool audit) that must see one state. vLLM's scheduler is single-threaded and mutates
+#: those structures without a lock; the GIL makes one ``len()`` atomic, not a sequence
+#: of them, and iterating a deque the scheduler appends to raises. So the scheduler
+#: thread reads them between two of its own steps and publishes the readings as one
+#: immutable snapshot (``GaugeReadings``), which the scrape reads (``PrometheusSink``
+#: keeps the latest per engine); multiprocess files and OTLP pushes, which have no
+#: scrape in this process, get the same snapshot. The time floor is what reading "at
+#: scrape time" would buy: a read costs 40-120 us in a real step (its code and data are
+#: cold by then; 5 us in a warm loop), so its cost is bounded per second, not per step.
 GAUGE_EVERY = 32
-
-#: kvmetrics' CPU time is added to ``kvmetrics_instrumentation_cpu_seconds_total``
-#: every CPU_REPORT_EVERY steps (one increment per step would itself cost a share); a
-#: multiple of GAUGE_EVERY, so that reporting adds no recorded step of its own. How the
-#: figure is estimated: :mod:`kvmetrics.integrations.vllm.owncost`.
-CPU_REPORT_EVERY = 64
+GAUGE_MIN_INTERVAL_S = 0.25
 
 _OUTPUT_HOOK = "scheduler.update_from_output"
 
@@ -81,21 +82,24 @@ class StepEnd:
     _kv_holding_attr: str | None
     _kv_self_checks: SelfChecks
     _kv_audit_every: int
-    #: EventHooks' (the fault policy).
+    #: The first step the next audit may run at.
+    _kv_audit_next: int
+    #: When (``time.monotonic_ns``) the next periodic gauge read and CPU report are due,
+    #: and GAUGE_MIN_INTERVAL_S in nanoseconds.
+    _kv_read_next_ns: int
+    _kv_read_gap_ns: int
+    #: EventHooks' (the fault policy, and counting what is timed every time).
     _kv_hook_failed: Callable[[str], None]
+    _kv_timed: Callable[[int], None]
 
     # -- kvmetrics' own CPU time (owncost) ---------------------------------------------
 
-    def _kv_sampled(self, ns: int, pairs: int) -> None:
-        """A sampled call's timed intervals (``pairs`` clock pairs, ``ns`` in all)."""
-        clock = self._kv_clock_ns
-        self._kv_cpu_ns += (ns - pairs * clock) * owncost.SAMPLE_EVERY + 2 * pairs * clock
-
     def _kv_charge(self) -> None:
-        """Add the calibrated cost of what is never timed, up to now."""
+        """Add the calibrated cost of what is never timed (the quiet part of every step,
+        the eviction counter), up to now."""
         cal = self._kv_cal
         step, evicted = self._kv_step, self._kv.evicted_total + self._kv.evicted_n
-        self._kv_cpu_ns += (2 * cal.layer_ns * (step - self._kv_charged_step)
+        self._kv_cpu_ns += (cal.step_ns * (step - self._kv_charged_step)
                             + cal.evict_ns * (evicted - self._kv_charged_evictions))
         self._kv_charged_step, self._kv_charged_evictions = step, evicted
 
@@ -107,7 +111,21 @@ class StepEnd:
 
     # -- end of a recorded step --------------------------------------------------------
 
-    def _kv_end_step(self, step: int) -> None:
+    def _kv_end_step(self, step: int, eventless: bool) -> None:
+        """Record the step (``eventless``: only because the gauges may be due); timed
+        every time, since it is rare and its cost varies (owncost)."""
+        now = monotonic_ns()
+        periodic = now >= self._kv_read_next_ns
+        if eventless and not periodic:
+            self._kv.events.step = step + 1  # not due yet: nothing to record
+            return
+        start = thread_time_ns()
+        try:
+            self._kv_end_step_timed(step, periodic, now)
+        finally:
+            self._kv_timed(thread_time_ns() - start)
+
+    def _kv_end_step_timed(self, step: int, periodic: bool, now: int) -> None:
         try:
             events = self._kv.take_step(step)
         except Exception:
@@ -117,13 +135,13 @@ class StepEnd:
             self._kv_gauges(events)
         except Exception:
             self._kv_hook_failed(_OUTPUT_HOOK)
-        if step % CPU_REPORT_EVERY == 0:
+        if periodic:
+            self._kv_read_next_ns = now + self._kv_read_gap_ns
             try:
                 self._kv_charge()
             except Exception:
                 self._kv_hook_failed(_OUTPUT_HOOK)
             # The estimate so far (this step's own part is counted with the next report).
-            # A sampled interval minus its clock can be negative: carried, never exported.
             spent = self._kv_cpu_ns
             if spent > 0:
                 self._kv_cpu_ns = 0
@@ -161,8 +179,10 @@ class StepEnd:
         events.gauges = self._kv_self_checks.gauges(me, self._kv_holding_attr, self._kv_step,
                                                     events)
         pool = me.kv_cache_manager.block_pool
-        if self._kv_step % self._kv_audit_every and events.recovery_seconds is None:
+        step = self._kv_step
+        if step < self._kv_audit_next and events.recovery_seconds is None:
             return
+        self._kv_audit_next = step + self._kv_audit_every
         used = negative = 0
         for block in pool.blocks:
             if block.is_null:
