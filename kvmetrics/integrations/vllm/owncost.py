@@ -16,11 +16,11 @@ scheduler adds to vLLM's. It has two parts:
    read is a system call, 0.6-0.9 us on the VMs measured, against a few tenths of a
    microsecond of work), and an interval that short is mostly the clock read's own
    cost, which varies with the state of the caches around it: a sampled timing of them
-   was measured 2-5x too high. So at construction (once per process, about 3 ms) the
-   real override functions run in a tight loop on a probe instance over a stand-in for
-   vLLM's class, against the stand-in called directly: the difference is the quiet
-   step's cost (:attr:`Calibration.step_ns`), charged once per step; the real eviction
-   wrapper is calibrated the same way and charged per evicted block.
+   was measured several times too high. So at construction (once per process, about
+   3 ms) the real override functions run in a tight loop on a probe instance over a
+   stand-in for vLLM's class, against the stand-in called directly: the difference is
+   the quiet step's cost (:attr:`Calibration.step_ns`), charged once per step; the real
+   eviction wrapper is calibrated the same way and charged per evicted block.
 
 What it cannot see: the calibrated figures are warm-cache figures; the same code in a
 real step, between two of vLLM's calls, misses the caches more. And kvmetrics' code and

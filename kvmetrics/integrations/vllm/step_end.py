@@ -56,7 +56,7 @@ POOL_AUDIT_BLOCKS = 8
 #: immutable snapshot (``GaugeReadings``), which the scrape reads (``PrometheusSink``
 #: keeps the latest per engine); multiprocess files and OTLP pushes, which have no
 #: scrape in this process, get the same snapshot. The time floor is what reading "at
-#: scrape time" would buy: a read costs 40-120 us in a real step (its code and data are
+#: scrape time" would buy: a read costs 50-190 us in a real step (its code and data are
 #: cold by then; 5 us in a warm loop), so its cost is bounded per second, not per step.
 GAUGE_EVERY = 32
 GAUGE_MIN_INTERVAL_S = 0.25
