@@ -279,3 +279,23 @@ def test_kvmetrics_own_cpu_time_is_exported(monkeypatch: pytest.MonkeyPatch) -> 
     assert exported == pytest.approx(sched.kvmetrics_cpu_ns / 1e9)
     # (The exported total is a float sum of scaled samples: equal up to rounding.)
     assert sched.kvmetrics_cpu_seconds >= exported * (1 - 1e-9)
+
+
+def test_the_cpu_estimate_charges_the_calibrated_quiet_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import math
+
+    from kvmetrics.integrations.vllm import owncost
+    from kvmetrics.integrations.vllm.scheduler import InstrumentedMixin
+
+    monkeypatch.setattr(owncost, "_CALIBRATION", None)  # measured again, on the real code
+    cal = owncost.calibrate(InstrumentedMixin)
+    assert owncost.calibrate(InstrumentedMixin) is cal  # once per process
+    for value in (cal.clock_ns, cal.step_ns, cal.evict_ns):
+        assert math.isfinite(value) and value >= 0
+    engine = run_failing_load()
+    sched = engine.scheduler
+    assert sched._kv_cal is cal
+    # Every step is charged the quiet step's cost; the timed parts come on top.
+    assert sched.kvmetrics_cpu_seconds * 1e9 >= sched._kv_step * cal.step_ns * (1 - 1e-9)
+    engine.close()

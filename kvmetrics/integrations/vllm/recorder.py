@@ -71,7 +71,8 @@ class StepRecorder:
         #: work kvmetrics does per block), folded in when the cause changes or the step
         #: is taken.
         self.evicted_n = 0
-        #: Evictions folded in since start (for kvmetrics' own CPU estimate).
+        #: Per-block evictions folded in since start (kvmetrics' own CPU estimate charges
+        #: the wrapper's calibrated cost per block; a reset's evictions are timed instead).
         self.evicted_total = 0
         #: Whether ``evictions`` holds anything not yet taken.
         self.evicted_any = False
@@ -210,7 +211,6 @@ class StepRecorder:
 
     def evicted(self, n: int = 1, cause: str | None = None) -> None:
         self.evictions[cause or self.evict_cause] += n
-        self.evicted_total += n
         self.evicted_any = True
 
     def fold_evicted(self) -> None:
@@ -218,6 +218,7 @@ class StepRecorder:
         n = self.evicted_n
         if n:
             self.evicted_n = 0
+            self.evicted_total += n
             self.evicted(n)
 
     def set_evict_cause(self, cause: str) -> None:

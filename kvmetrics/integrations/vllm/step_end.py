@@ -94,20 +94,23 @@ class StepEnd:
 
     # -- kvmetrics' own CPU time (owncost) ---------------------------------------------
 
-    def _kv_charge(self) -> None:
-        """Add the calibrated cost of what is never timed (the quiet part of every step,
-        the eviction counter), up to now."""
+    def _kv_uncharged_ns(self) -> tuple[float, int, int]:
+        """The calibrated cost of what is never timed (the quiet part of every step, the
+        eviction counter) since the last charge, and the step and eviction counts to it."""
         cal = self._kv_cal
         step, evicted = self._kv_step, self._kv.evicted_total + self._kv.evicted_n
-        self._kv_cpu_ns += (cal.step_ns * (step - self._kv_charged_step)
-                            + cal.evict_ns * (evicted - self._kv_charged_evictions))
-        self._kv_charged_step, self._kv_charged_evictions = step, evicted
+        return (cal.step_ns * (step - self._kv_charged_step)
+                + cal.evict_ns * (evicted - self._kv_charged_evictions), step, evicted)
+
+    def _kv_charge(self) -> None:
+        """Add the calibrated cost of what is never timed, up to now."""
+        ns, self._kv_charged_step, self._kv_charged_evictions = self._kv_uncharged_ns()
+        self._kv_cpu_ns += ns
 
     @property
     def kvmetrics_cpu_seconds(self) -> float:
         """kvmetrics' own thread CPU time in this scheduler since it was built (estimate)."""
-        self._kv_charge()
-        return (self.kvmetrics_cpu_ns + self._kv_cpu_ns) / 1e9
+        return (self.kvmetrics_cpu_ns + self._kv_cpu_ns + self._kv_uncharged_ns()[0]) / 1e9
 
     # -- end of a recorded step --------------------------------------------------------
 
