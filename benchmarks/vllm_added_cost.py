@@ -11,6 +11,9 @@ between code paths step by step, the modes taking turns within every round:
 - ``control``: ``vllm`` again, under another name: its difference from ``vllm`` (an A/A
   comparison) is what the method resolves on this machine at that moment;
 - ``stats``: the same with ``log_stats`` on (vLLM's scheduler-side statistics);
+- ``frame``: ``vllm`` called through one pass-through function per call (no kvmetrics
+  work): what running vLLM's code one call deeper costs by itself, as any override does
+  (the issue saw the same step cost 12-14 % more at one particular call depth);
 - ``kvmetrics``: the instrumented class, wrappers on, ``log_stats`` off, recording into
   a pipeline with a Prometheus sink from inside ``update_from_output()`` (as under
   ``vllm serve``, where the scheduler owns its exporter): everything kvmetrics adds.
@@ -24,13 +27,14 @@ inside a timed step (they are replaced, untimed, before they would run out of bl
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 from dataclasses import dataclass
 from time import thread_time_ns
 from typing import Any
 
-MODES = ("vllm", "control", "stats", "kvmetrics")
+MODES = ("vllm", "control", "stats", "frame", "kvmetrics")
 #: Wrapped helper methods, by the helper object that holds them.
 WRAPPED = {"kv_cache_manager": ("record_prefix_cache_stats", "evict_blocks",
                                 "reset_prefix_cache"),
@@ -48,6 +52,7 @@ class AddedCost:
     vllm_us: float
     control_us: tuple[float, float, float]  # (q1, median, q3) of control - vllm: resolution
     stats_us: tuple[float, float, float]  # (q1, median, q3) of stats - vllm
+    frame_us: tuple[float, float, float]  # (q1, median, q3) of frame - vllm
     added_us: tuple[float, float, float]  # (q1, median, q3) of kvmetrics - vllm
     reported_us: float  # kvmetrics' own counter per kvmetrics step, over all rounds
     bias: float  # reported / added - 1, both over all rounds (the counter is sampled)
@@ -62,7 +67,7 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 class Switch:
-    """Switches one instrumented scheduler between the three code paths."""
+    """Switches one instrumented scheduler between its code paths."""
 
     def __init__(self, sched: Any) -> None:
         from kvmetrics.integrations.vllm import hooks
@@ -101,6 +106,13 @@ def measure(n: int, rounds: int, steps: int, refill_every: int = 900) -> AddedCo
     sched.kvmetrics_pipeline = MetricsPipeline([PrometheusSink()], engine_kind="vllm")
     switch = Switch(sched)
     base = switch.base
+
+    def frame_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return base.schedule(self, *args, **kwargs)
+
+    def frame_update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return base.update_from_output(self, *args, **kwargs)
+
     generation = 0
     done = 0
 
@@ -137,6 +149,8 @@ def measure(n: int, rounds: int, steps: int, refill_every: int = 900) -> AddedCo
             switch.set(mode)
             if switch.on:
                 schedule, update = type(sched).schedule, type(sched).update_from_output
+            elif mode == "frame":
+                schedule, update = frame_schedule, frame_update
             else:
                 schedule, update = base.schedule, base.update_from_output
             t0 = thread_time_ns()
@@ -156,9 +170,10 @@ def measure(n: int, rounds: int, steps: int, refill_every: int = 900) -> AddedCo
     engine.close()
     control = [c - v for c, v in zip(per_mode["control"], per_mode["vllm"], strict=True)]
     stats = [s - v for s, v in zip(per_mode["stats"], per_mode["vllm"], strict=True)]
+    frame = [f - v for f, v in zip(per_mode["frame"], per_mode["vllm"], strict=True)]
     added = [k - v for k, v in zip(per_mode["kvmetrics"], per_mode["vllm"], strict=True)]
     return AddedCost(n, rounds, steps, statistics.median(per_mode["vllm"]), _quartiles(control),
-                     _quartiles(stats),
+                     _quartiles(stats), _quartiles(frame),
                      _quartiles(added), statistics.mean(reported),
                      statistics.mean(reported) / statistics.mean(added) - 1)
 
@@ -169,8 +184,13 @@ def rows(quick: bool = False) -> list[Any]:
     rounds, steps = (6, 30) if quick else (32, 100)
     out: list[Row] = []
     for n in (16, 64, 256):
+        load_before = os.getloadavg()[0]
         c = measure(n, rounds, steps)
         case = f"{n} running, {c.rounds} rounds x {c.steps} steps/mode"
+        # Other processes on the machine widen every interval: say how busy it was
+        # (this benchmark itself keeps one core busy).
+        out.append(Row("load average (1 min), before / after", case, load_before,
+                       f"/ {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"))
         # A verdict only where the method resolves vLLM's own stats cost at all.
         resolved = 0 < c.control_us[2] - c.control_us[0] < c.stats_us[1]
         out += [
@@ -179,6 +199,8 @@ def rows(quick: bool = False) -> list[Any]:
                 f"us/step (IQR {c.control_us[0]:.2f}..{c.control_us[2]:.2f})"),
             Row("vLLM's own stats (log_stats on - off)", case, c.stats_us[1],
                 f"us/step (IQR {c.stats_us[0]:.2f}..{c.stats_us[2]:.2f})"),
+            Row("one pass-through frame (no kvmetrics work)", case, c.frame_us[1],
+                f"us/step (IQR {c.frame_us[0]:.2f}..{c.frame_us[2]:.2f})"),
             Row("kvmetrics added cost", case, c.added_us[1],
                 f"us/step (IQR {c.added_us[0]:.2f}..{c.added_us[2]:.2f})",
                 "<= vLLM's own stats" if resolved else "not resolved: A/A IQR > vLLM's stats",
@@ -195,7 +217,6 @@ def rows(quick: bool = False) -> list[Any]:
 if __name__ == "__main__":
     import argparse
     import logging
-    import os
 
     from benchmarks.common import render
 

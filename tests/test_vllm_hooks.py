@@ -28,6 +28,7 @@ PROMPT = list(range(1000, 1064))
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,
                          max_num_batched_tokens=256, max_model_len=512)
 ERRORS = cat.INSTRUMENTATION_ERRORS
+CPU = cat.INSTRUMENTATION_CPU
 
 
 class LogLines(logging.Handler):
@@ -120,7 +121,7 @@ def test_a_changed_hook_stops_only_its_counters(monkeypatch: pytest.MonkeyPatch)
     off = hooks.BY_NAME[name].families
     got = totals(engine)
     for key, value in expected.items():
-        if key[0] in off:
+        if key[0] in off or key[0] == CPU.name:  # (kvmetrics' own time: not an event)
             continue
         assert got.get(key, 0) == value, key  # every other counter still counts
     # Not computed here, so not on the page at all: no series, not a 0.
@@ -153,9 +154,9 @@ def test_a_missing_hook_is_reported_and_the_rest_counts(monkeypatch: pytest.Monk
     assert engine.scheduler.kvmetrics_broken_hooks == {name: "missing"}
     got = totals(engine)
     engine.close()
-    off = set(hooks.BY_NAME[name].families)
-    assert {k: v for k, v in got.items() if k[0] not in off and k[0] != ERRORS.name} == \
-        {k: v for k, v in expected.items() if k[0] not in off and k[0] != ERRORS.name}
+    off = set(hooks.BY_NAME[name].families) | {ERRORS.name, CPU.name}
+    assert {k: v for k, v in got.items() if k[0] not in off} == \
+        {k: v for k, v in expected.items() if k[0] not in off}
     assert got[(ERRORS.name, (name,))] == 1
 
 
@@ -262,9 +263,9 @@ def test_a_vllm_without_the_failed_recving_path_needs_no_hook_for_it(
 def test_kvmetrics_own_cpu_time_is_exported(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from kvmetrics.integrations.vllm import scheduler as instrumented
+    from kvmetrics.integrations.vllm import step_end
 
-    monkeypatch.setattr(instrumented, "CPU_REPORT_EVERY", 1)
+    monkeypatch.setattr(step_end, "GAUGE_MIN_INTERVAL_S", 0)  # reported every 32 steps
     start = time.thread_time()
     engine = run_failing_load()
     whole_run = time.thread_time() - start
@@ -278,3 +279,23 @@ def test_kvmetrics_own_cpu_time_is_exported(monkeypatch: pytest.MonkeyPatch) -> 
     assert exported == pytest.approx(sched.kvmetrics_cpu_ns / 1e9)
     # (The exported total is a float sum of scaled samples: equal up to rounding.)
     assert sched.kvmetrics_cpu_seconds >= exported * (1 - 1e-9)
+
+
+def test_the_cpu_estimate_charges_the_calibrated_quiet_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import math
+
+    from kvmetrics.integrations.vllm import owncost
+    from kvmetrics.integrations.vllm.scheduler import InstrumentedMixin
+
+    monkeypatch.setattr(owncost, "_CALIBRATION", None)  # measured again, on the real code
+    cal = owncost.calibrate(InstrumentedMixin)
+    assert owncost.calibrate(InstrumentedMixin) is cal  # once per process
+    for value in (cal.clock_ns, cal.step_ns, cal.evict_ns):
+        assert math.isfinite(value) and value >= 0
+    engine = run_failing_load()
+    sched = engine.scheduler
+    assert sched._kv_cal is cal
+    # Every step is charged the quiet step's cost; the timed parts come on top.
+    assert sched.kvmetrics_cpu_seconds * 1e9 >= sched._kv_step * cal.step_ns * (1 - 1e-9)
+    engine.close()

@@ -1,10 +1,11 @@
-"""The protective recovery's overrides when it is off, and its startup check when on.
+"""The protective recovery is not in the class when it is off, and checks vLLM when on.
 
-Off (the default), every override must hand its arguments to vLLM untouched, so a
-vLLM whose private methods changed still runs exactly as it would without
-kvmetrics. On, a changed method must stop the scheduler at startup with one line
-naming it, never at the first failed load. The base here stands in for a future
-vLLM: the same methods with one more parameter each.
+Off (the default), the instrumented class has no protective layer at all: vLLM's own
+methods run, so a vLLM whose private methods changed still runs exactly as it would
+without kvmetrics. On, the layer sits between kvmetrics' hooks and vLLM's class, and
+a changed method must stop the scheduler at startup with one line naming it, never at
+the first failed load. The base here stands in for a future vLLM: the same methods
+with one more parameter each.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvmetrics.integrations.vllm.hooks import vllm_base
 from kvmetrics.integrations.vllm.protect import PROTECTED, ProtectMixin
 
 METHODS = [hook.method for hook in PROTECTED]
@@ -48,11 +50,34 @@ class Wrapped(ProtectMixin, FutureVllm):
     pass
 
 
-def test_off_every_override_passes_its_arguments_through_untouched() -> None:
-    scheduler = Wrapped("vllm")
-    for name in METHODS:
-        assert getattr(scheduler, name)("a", "b", "c", key="k") == name
-    assert scheduler.calls == [(name, ("a", "b", "c"), {"key": "k"}) for name in METHODS]
+def test_off_the_protective_layer_is_not_in_the_class() -> None:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from kvmetrics.integrations.vllm.protect import protect_decided, protected_over
+    from kvmetrics.integrations.vllm.scheduler import (
+        InstrumentedAsyncScheduler,
+        InstrumentedMixin,
+        InstrumentedScheduler,
+    )
+
+    def config(recovery: str) -> SimpleNamespace:
+        return SimpleNamespace(additional_config={"kvmetrics": {"recovery": recovery}})
+
+    assert not protect_decided((), {"vllm_config": config("vllm")})
+    assert protect_decided((config("evict"),), {})
+    assert ProtectMixin not in InstrumentedScheduler.__mro__
+    assert ProtectMixin not in InstrumentedAsyncScheduler.__mro__
+    for cls, base in ((InstrumentedScheduler, Scheduler),
+                      (InstrumentedAsyncScheduler, AsyncScheduler)):
+        on = protected_over(cls)
+        assert protected_over(cls) is on and issubclass(on, cls)
+        mro = on.__mro__
+        # The hooks observe what the fix does; the fix calls vLLM's class.
+        assert mro.index(InstrumentedMixin) < mro.index(ProtectMixin) < mro.index(base)
+        assert vllm_base(on) is base
+    with pytest.raises(RuntimeError, match="whose setting is KVMETRICS_RECOVERY=vllm"):
+        Wrapped("vllm")
 
 
 def test_on_a_changed_vllm_method_stops_the_scheduler_at_startup() -> None:
@@ -76,7 +101,6 @@ def test_the_checked_base_is_vllms_class_even_under_a_users_own_mixin() -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvmetrics.integrations.vllm.hooks import vllm_base
     from kvmetrics.integrations.vllm.scheduler import (
         InstrumentedAsyncScheduler,
         InstrumentedScheduler,

@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvmetrics.integrations.vllm.protect import ProtectMixin
 from kvmetrics.integrations.vllm.scheduler import InstrumentedMixin
 from kvmetrics.integrations.vllm_lab import builder
 from kvmetrics.lab.soak import run_scenario
@@ -41,9 +40,9 @@ def _classes(patches: list[Path]) -> tuple[type, type]:
         scratch = Path(tempfile.mkdtemp(prefix="kvmetrics-attribution-"))
         target = patched_target(patches, scratch)
         _built[key] = (
-            type("PatchedInstrumented", (InstrumentedMixin, ProtectMixin, target.scheduler), {}),
-            type("PatchedInstrumentedAsync",
-                 (InstrumentedMixin, ProtectMixin, target.async_scheduler), {}))
+            # The protective recovery joins at construction when it is on.
+            type("PatchedInstrumented", (InstrumentedMixin, target.scheduler), {}),
+            type("PatchedInstrumentedAsync", (InstrumentedMixin, target.async_scheduler), {}))
     return _built[key]
 
 

@@ -18,12 +18,11 @@ Call = Callable[..., None]
 
 
 def install_helper_wrappers(scheduler: Any, on: Callable[[str], bool], call: Call,
-                            failed: Callable[[str], None], tally: Call | None = None) -> None:
+                            failed: Callable[[str], None], recorder: Any) -> None:
     """Install the usable wrappers on ``scheduler``'s cache manager, pool and connector;
-    ``failed(hook)`` counts a fault the metrics side met outside ``call``. ``tally`` is
-    ``call`` without its clock, for the one hook that runs on ordinary decode steps (a
-    cached block evicted to make room, about once per request every block of tokens)."""
-    tally = tally or call
+    ``failed(hook)`` counts a fault the metrics side met outside ``call``. The one hook
+    that runs on ordinary decode steps (a cached block evicted to make room, about once
+    per request every block of tokens) skips ``call``: :func:`eviction_counter`."""
     kvm = scheduler.kv_cache_manager
 
     if on("kv_cache_manager.record_prefix_cache_stats"):
@@ -53,15 +52,8 @@ def install_helper_wrappers(scheduler: Any, on: Callable[[str], bool], call: Cal
 
     if on("block_pool._maybe_evict_cached_block"):
         pool = kvm.block_pool
-        maybe_evict = pool._maybe_evict_cached_block
-
-        def maybe_evict_hook(*args: Any, **kwargs: Any) -> Any:
-            evicted = maybe_evict(*args, **kwargs)
-            if evicted:
-                tally("block_pool._maybe_evict_cached_block", "evicted", 1)
-            return evicted
-
-        pool._maybe_evict_cached_block = maybe_evict_hook
+        pool._maybe_evict_cached_block = eviction_counter(pool._maybe_evict_cached_block,
+                                                          recorder, failed)
 
     if on("kv_cache_manager.reset_prefix_cache"):
         reset = kvm.reset_prefix_cache
@@ -93,6 +85,26 @@ def install_helper_wrappers(scheduler: Any, on: Callable[[str], bool], call: Cal
             return result
 
         connector.update_state_after_alloc = update_state_after_alloc
+
+
+def eviction_counter(maybe_evict: Callable[..., Any], recorder: Any,
+                     failed: Callable[[str], None]) -> Callable[..., Any]:
+    """The block pool's ``_maybe_evict_cached_block`` counting each evicted block with
+    one integer increment on the recorder (``evicted_n``), no call and no clock: it runs
+    once per block allocated, inside vLLM's ``schedule()``. Its cost is estimated from a
+    calibration of this same wrapper (:mod:`.owncost`), not timed."""
+    hook = "block_pool._maybe_evict_cached_block"
+
+    def maybe_evict_hook(*args: Any, **kwargs: Any) -> Any:
+        evicted = maybe_evict(*args, **kwargs)
+        if evicted:
+            try:
+                recorder.evicted_n += 1
+            except Exception:
+                failed(hook)
+        return evicted
+
+    return maybe_evict_hook
 
 
 def count_cached(kv_cache_manager: Any, failed: Callable[[str], None]) -> int:

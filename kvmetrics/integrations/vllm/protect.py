@@ -24,8 +24,10 @@ recovery-path defects of vLLM 0.33 and 0.34 that ``kvmetrics vllm-check`` report
   from the failed one on are evicted too (vLLM only looks at requests still
   scheduled, under either policy).
 
-With the setting off (the default) every override calls vLLM's method and
-nothing else: observing never changes vLLM's decisions unless asked to.
+With the setting off (the default) :class:`ProtectMixin` is not in the scheduler's
+class at all (the instrumented scheduler picks its class at construction, see
+:func:`protected_over`): vLLM's own methods run, with no pass-through layer, and
+observing never changes vLLM's decisions unless asked to.
 """
 
 from __future__ import annotations
@@ -44,9 +46,8 @@ log = logging.getLogger(LOGGER)
 RECOVERIES = ("vllm", "evict")
 
 #: vLLM's scheduler methods the fix overrides, with the leading parameters its
-#: overrides read. Checked at startup when the fix is on; when it is off every
-#: override hands ``*args, **kwargs`` to vLLM untouched, so a changed signature
-#: cannot break a scheduler that only observes.
+#: overrides read. Checked at startup when the fix is on; when it is off the fix is
+#: not in the class, so a changed signature cannot break a scheduler that only observes.
 PROTECTED: tuple[Hook, ...] = (
     Hook("scheduler", "_update_requests_with_invalid_blocks",
          ("requests", "invalid_block_ids", "num_scheduled_tokens", "evict_blocks"), ()),
@@ -73,8 +74,42 @@ def recovery_setting(vllm_config: Any, env: Mapping[str, str] | None = None) -> 
     return value
 
 
+def protect_decided(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the scheduler built with these arguments runs the fix (``vllm_config``
+    passed as vLLM passes it); a setting that is not a recovery raises ValueError."""
+    return recovery_setting(kwargs.get("vllm_config", args[0] if args else None)) == "evict"
+
+
+_PROTECTED: dict[type, type] = {}
+
+
+def protected_over(cls: type) -> type:
+    """``cls`` with the fix between its kvmetrics layers and vLLM's scheduler class.
+
+    ``cls`` is an instrumented class (kvmetrics' mixins over vLLM's class B). The result
+    is a subclass of ``cls`` whose MRO reads ``cls ... kvmetrics' hooks, ProtectMixin,
+    B``: the hooks observe what the fix does, as they observe vLLM. Made once per class,
+    under ``cls``'s own name (logs and reprs name the class the operator named).
+    """
+    made = _PROTECTED.get(cls)
+    if made is None:
+        base = vllm_base(cls)
+        fixed = _PROTECTED.get(base)
+        if fixed is None:
+            fixed = _PROTECTED[base] = type(
+                f"Protected{base.__name__}", (ProtectMixin, base),
+                {"__module__": __name__, "__doc__": ProtectMixin.__doc__})
+        made = _PROTECTED[cls] = type(cls.__name__, (cls, fixed),
+                                      {"__module__": cls.__module__, "__doc__": cls.__doc__})
+    return made
+
+
 class ProtectMixin:
-    """The fixes, mixed into vLLM's Scheduler or AsyncScheduler (after the hooks)."""
+    """The fixes, mixed into vLLM's Scheduler or AsyncScheduler (after the hooks).
+
+    Only in the class when the fix is on (:func:`protected_over`): every override here
+    runs the fix unconditionally.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -86,39 +121,36 @@ class ProtectMixin:
         self._protect_gone: dict[str, list[Any]] = {}
         #: How this vLLM compares with the versions kvmetrics was verified on.
         self.kvmetrics_vllm = fingerprints.check_safely()
-        if self.kvmetrics_recovery == "evict":
-            refusal = fingerprints.protect_allowed(self.kvmetrics_vllm)
-            if refusal is not None:
-                raise RuntimeError(refusal)
-            if not (self.kvmetrics_vllm.verified and self.kvmetrics_vllm.protect_verified):
-                log.warning("kvmetrics: KVMETRICS_RECOVERY=evict runs on unverified vLLM code "
-                            "because %s=1: %s", fingerprints.ALLOW_UNVERIFIED,
-                            self.kvmetrics_vllm.summary())
-            # Fail at startup, not at the first failed load, if vLLM's internals moved.
-            managers = me.kv_cache_manager.coordinator.single_type_managers
-            if len(managers) != 1 or not hasattr(managers[0], "num_cached_block") \
-                    or not hasattr(me, "_inflight_prefills") \
-                    or (hasattr(me, "_parked_reservations")
-                        and not hasattr(me, "_unreserve_parked")):
-                raise RuntimeError("KVMETRICS_RECOVERY=evict supports one KV cache group on "
-                                   "vLLM 0.32-0.34's scheduler internals only")
-            base = vllm_base(type(self))
-            for hook in PROTECTED:
-                problem = signature_problem(getattr(base, hook.method, None), hook, True)
-                if problem is not None:
-                    raise RuntimeError(f"KVMETRICS_RECOVERY=evict cannot run on this vLLM: "
-                                       f"{hook.name} {problem}")
-
-    @property
-    def kvmetrics_protecting(self) -> bool:
-        return self.kvmetrics_recovery == "evict"
+        if self.kvmetrics_recovery != "evict":
+            # The class was chosen for another setting: refuse rather than fix unasked.
+            raise RuntimeError("kvmetrics: the protective recovery was built into a "
+                               "scheduler whose setting is KVMETRICS_RECOVERY="
+                               f"{self.kvmetrics_recovery}")
+        refusal = fingerprints.protect_allowed(self.kvmetrics_vllm)
+        if refusal is not None:
+            raise RuntimeError(refusal)
+        if not (self.kvmetrics_vllm.verified and self.kvmetrics_vllm.protect_verified):
+            log.warning("kvmetrics: KVMETRICS_RECOVERY=evict runs on unverified vLLM code "
+                        "because %s=1: %s", fingerprints.ALLOW_UNVERIFIED,
+                        self.kvmetrics_vllm.summary())
+        # Fail at startup, not at the first failed load, if vLLM's internals moved.
+        managers = me.kv_cache_manager.coordinator.single_type_managers
+        if len(managers) != 1 or not hasattr(managers[0], "num_cached_block") \
+                or not hasattr(me, "_inflight_prefills") \
+                or (hasattr(me, "_parked_reservations")
+                    and not hasattr(me, "_unreserve_parked")):
+            raise RuntimeError("KVMETRICS_RECOVERY=evict supports one KV cache group on "
+                               "vLLM 0.32-0.34's scheduler internals only")
+        base = vllm_base(type(self))
+        for hook in PROTECTED:
+            problem = signature_problem(getattr(base, hook.method, None), hook, True)
+            if problem is not None:
+                raise RuntimeError(f"KVMETRICS_RECOVERY=evict cannot run on this vLLM: "
+                                   f"{hook.name} {problem}")
 
     # -- sync and async rollbacks ------------------------------------------------------
 
     def _update_requests_with_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.kvmetrics_protecting:
-            return super()._update_requests_with_invalid_blocks(  # type: ignore[misc]
-                *args, **kwargs)
         return self._protect_rollback(*args, **kwargs)
 
     def _protect_rollback(self, requests: Iterable[Any], invalid_block_ids: set[int],
@@ -156,8 +188,6 @@ class ProtectMixin:
         return affected, total, to_evict
 
     def _handle_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.kvmetrics_protecting:
-            return super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
         invalid_block_ids: set[int] = argument(args, kwargs, 0, "invalid_block_ids")
         me: Any = self
         self._protect_evict = set()
@@ -181,18 +211,15 @@ class ProtectMixin:
     # -- requests that end while a step of theirs still runs ---------------------------
 
     def _free_request(self, *args: Any, **kwargs: Any) -> Any:
-        if self.kvmetrics_protecting:
-            request = argument(args, kwargs, 0, "request")
-            if request.num_in_flight_tokens > 0:
-                me: Any = self
-                (block_ids,) = me.kv_cache_manager.get_block_ids(request.request_id)
-                self._protect_gone[request.request_id] = [request.num_in_flight_tokens,
-                                                          list(block_ids)]
+        request = argument(args, kwargs, 0, "request")
+        if request.num_in_flight_tokens > 0:
+            me: Any = self
+            (block_ids,) = me.kv_cache_manager.get_block_ids(request.request_id)
+            self._protect_gone[request.request_id] = [request.num_in_flight_tokens,
+                                                      list(block_ids)]
         return super()._free_request(*args, **kwargs)  # type: ignore[misc]
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.kvmetrics_protecting:
-            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
         # Records made while this output is processed already left its tokens out.
         recorded = list(self._protect_gone)
         result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
@@ -208,8 +235,6 @@ class ProtectMixin:
     # -- async loads that failed in every block ----------------------------------------
 
     def _update_waiting_for_remote_kv(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.kvmetrics_protecting:
-            return super()._update_waiting_for_remote_kv(*args, **kwargs)  # type: ignore[misc]
         me: Any = self
         request = argument(args, kwargs, 0, "request")
         emptied = (request.request_id in me.failed_recving_kv_req_ids
@@ -223,8 +248,6 @@ class ProtectMixin:
     def _handle_blocked_waiting_request(self, *args: Any, **kwargs: Any) -> Any:
         ready = super()._handle_blocked_waiting_request(  # type: ignore[misc]
             *args, **kwargs)
-        if not self.kvmetrics_protecting:
-            return ready
         request = argument(args, kwargs, 0, "request")
         if self._protect_emptied is request:
             self._protect_emptied = None

@@ -54,14 +54,26 @@ class AsyncLoad:
 class StepRecorder:
     """Accumulates one step's events; the scheduler flushes them after each output."""
 
-    def __init__(self, block_size: int, policy: str, has_connector: bool) -> None:
+    def __init__(self, block_size: int, policy: str, has_connector: bool,
+                 schedule_hooked: bool = True) -> None:
         self.block_size = block_size
         self.policy = policy
         self.has_connector = has_connector
+        #: Whether the scheduler's schedule() hook runs: without it nobody resolves
+        #: ``new_loads`` nor walks ``redo``, so neither is filled.
+        self.schedule_hooked = schedule_hooked
         self.requests: dict[str, RequestTrack] = {}
         self.events = StepEvents(step=1)
         self.evictions: dict[str, int] = {"capacity": 0, "kv_load_failure": 0, "reset": 0}
         self.evict_cause = "capacity"
+        #: Blocks evicted for ``evict_cause`` not yet added to ``evictions``: the block
+        #: pool's wrapper adds 1 here per evicted block (one integer increment, the only
+        #: work kvmetrics does per block), folded in when the cause changes or the step
+        #: is taken.
+        self.evicted_n = 0
+        #: Per-block evictions folded in since start (kvmetrics' own CPU estimate charges
+        #: the wrapper's calibrated cost per block; a reset's evictions are timed instead).
+        self.evicted_total = 0
         #: Whether ``evictions`` holds anything not yet taken.
         self.evicted_any = False
         #: Loads whose mode is known only once schedule() returns: (rid, block ids).
@@ -102,7 +114,7 @@ class StepRecorder:
             ev.prompt_tokens("compute", num_prompt_tokens - local_hit - ext, request_id)
             ev.prompt_tokens("local_cache", local_hit, request_id)
             ev.prompt_tokens("external", ext, request_id)
-        if ext > 0:
+        if ext > 0 and self.schedule_hooked:
             bs = self.block_size
             first, end = local_hit // bs, -(-(local_hit + ext) // bs)
             self.new_loads.append((request_id, block_ids[first:end]))
@@ -180,14 +192,16 @@ class StepRecorder:
         track = self.track(request_id)
         track.kv_failure_until = before + num_scheduled
         track.high_water = max(track.high_water, before + num_scheduled)
-        self.redo[request_id] = track
+        if self.schedule_hooked:
+            self.redo[request_id] = track
 
     def preempted(self, request_id: str, computed_before: int) -> None:
         self.events.preempted(request_id)
         track = self.track(request_id)
         track.kv_failure_until = 0
         track.high_water = max(track.high_water, computed_before)
-        self.redo[request_id] = track
+        if self.schedule_hooked:
+            self.redo[request_id] = track
 
     def finished(self, request_id: str, status_name: str) -> None:
         self.events.finished(FINISH_REASONS.get(status_name, "stopped"), request_id)
@@ -199,7 +213,16 @@ class StepRecorder:
         self.evictions[cause or self.evict_cause] += n
         self.evicted_any = True
 
+    def fold_evicted(self) -> None:
+        """Move the per-block tally into ``evictions`` under the current cause."""
+        n = self.evicted_n
+        if n:
+            self.evicted_n = 0
+            self.evicted_total += n
+            self.evicted(n)
+
     def set_evict_cause(self, cause: str) -> None:
+        self.fold_evicted()
         self.evict_cause = cause
 
     def merge_events(self, events: StepEvents) -> None:
@@ -218,6 +241,7 @@ class StepRecorder:
         """The finished step's events; a fresh accumulator starts for the next one."""
         events = self.events
         events.step = step
+        self.fold_evicted()
         if self.evicted_any:
             self.evicted_any = False
             for cause, n in self.evictions.items():

@@ -33,20 +33,15 @@ raises, each time) in ``kvmetrics_instrumentation_errors_total{hook}``.
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
-import random
-import time
-from collections.abc import Callable
-from time import thread_time_ns
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from kvmetrics.integrations.vllm import hooks
+from kvmetrics.integrations.vllm import fingerprints, hooks, owncost, step_end
+from kvmetrics.integrations.vllm.event_hooks import EventHooks, _guarded
 from kvmetrics.integrations.vllm.exporting import (
     LOGGER,
     Exporter,
@@ -56,82 +51,64 @@ from kvmetrics.integrations.vllm.exporting import (
 )
 from kvmetrics.integrations.vllm.helper_hooks import install_helper_wrappers
 from kvmetrics.integrations.vllm.hooks import argument
-from kvmetrics.integrations.vllm.protect import ProtectMixin
+from kvmetrics.integrations.vllm.protect import (
+    ProtectMixin,
+    protect_decided,
+    protected_over,
+    recovery_setting,
+)
 from kvmetrics.integrations.vllm.recorder import StepRecorder
 from kvmetrics.integrations.vllm.selfcheck import SelfChecks
-from kvmetrics.metrics import catalogue as cat
-from kvmetrics.metrics.events import PoolSnapshot, StepEvents
-from kvmetrics.metrics.guard import CounterViolationError
+from kvmetrics.integrations.vllm.step_end import (  # noqa: F401 - the documented names
+    GAUGE_EVERY,
+    GAUGE_MIN_INTERVAL_S,
+    POOL_AUDIT_BLOCKS,
+    POOL_AUDIT_EVERY,
+    StepEnd,
+)
+from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = logging.getLogger(LOGGER)
 
-#: The pool audit walks every block (O(blocks)), so it runs on every step that ran the
-#: recovery path and otherwise every ``max(POOL_AUDIT_EVERY, blocks // POOL_AUDIT_BLOCKS)``
-#: steps: about POOL_AUDIT_BLOCKS blocks walked per step, whatever the cache size. A
-#: pool inconsistency that persists (a leaked block, a negative reference count) is
-#: seen within that many steps; one that appears and heals between two audits away
-#: from the recovery path is not.
-POOL_AUDIT_EVERY = 1024
-POOL_AUDIT_BLOCKS = 8
-
-#: With a pipeline (as under ``vllm serve``), a step where nothing happened (no
-#: admission, load, preemption, finish or fault) records nothing; its evictions are
-#: counted with the next step recorded. The gauges are read on every step that
-#: recorded something and on every GAUGE_EVERY-th step (so the gauges and the eviction
-#: counter lag vLLM by fewer than GAUGE_EVERY steps). Without a pipeline (the lab's
-#: drained events) every step is handed on with its gauges, as before.
-GAUGE_EVERY = 32
-
-#: kvmetrics' CPU time is added to ``kvmetrics_instrumentation_cpu_seconds_total``
-#: every CPU_REPORT_EVERY steps (one increment per step would itself cost a share); a
-#: multiple of GAUGE_EVERY, so that reporting adds no recorded step of its own. A
-#: gauge read (vLLM's accessors, the self-check on steps that are multiples of
-#: selfcheck.SELF_CHECK_EVERY, the exporters) costs a few microseconds, hence 32.
-CPU_REPORT_EVERY = 64
-
-#: The end-of-step work is timed on a random one step in CPU_SAMPLE_EVERY (each step
-#: independently, with probability 1/CPU_SAMPLE_EVERY) and counted CPU_SAMPLE_EVERY
-#: times: an unbiased estimate of its total, without two clock reads on most steps. The
-#: rare recovery, admission and finish hooks are timed every time and counted once.
-CPU_SAMPLE_EVERY = 64
+_OUTPUT_HOOK = "scheduler.update_from_output"
 
 
-def _guarded(hook: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Run the metrics side of ``hook``; count and log its faults, never raise them."""
+class InstrumentedMixin(StepEnd, EventHooks):
+    """The hooks; mixed into vLLM's Scheduler or AsyncScheduler.
 
-    def wrap(fn: Callable[..., None]) -> Callable[..., None]:
-        @functools.wraps(fn)
-        def run(self: Any, *args: Any, **kwargs: Any) -> None:
-            start = thread_time_ns()
-            try:
-                fn(self, *args, **kwargs)
-            except CounterViolationError:
-                raise
-            except Exception:
-                self._kv_hook_failed(hook)
-            finally:
-                self._kv_cpu_ns += thread_time_ns() - start
-
-        return run
-
-    return wrap
-
-
-class InstrumentedMixin:
-    """The hooks; mixed into vLLM's Scheduler or AsyncScheduler."""
+    The two overrides vLLM calls on every step (``schedule``, ``update_from_output``)
+    are one call deep on a step where nothing happened: vLLM's method, then a few
+    attribute tests and integer updates inline, no further call, no clock. Everything
+    that can be decided once (hooks usable, protective mode on or off, the calibration
+    of the CPU estimate) is decided at construction.
+    """
 
     kvmetrics_exporter: Exporter | None
     kvmetrics_pipeline: MetricsPipeline | None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # The protective mode is in the class only when it is on: no pass-through layer.
+        if protect_decided(args, kwargs) and not issubclass(cls, ProtectMixin):
+            cls = protected_over(cls)
+        return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         me: Any = self
         check_setting_keys(me.vllm_config)  # a misspelt setting stops startup, on purpose
-        #: Thread CPU time of kvmetrics' own work not yet counted, and since start
-        #: (``kvmetrics_instrumentation_cpu_seconds_total``; benchmarks read the total).
-        self._kv_cpu_ns = 0
-        self.kvmetrics_cpu_ns = 0
+        # Set by ProtectMixin when the fix is in the class; read here otherwise.
+        if not isinstance(self, ProtectMixin):
+            self.kvmetrics_recovery = recovery_setting(me.vllm_config)
+            if self.kvmetrics_recovery == "evict":
+                raise RuntimeError("kvmetrics: KVMETRICS_RECOVERY=evict, but this scheduler "
+                                   "class was built without the protective recovery")
+            #: How this vLLM compares with the versions kvmetrics was verified on.
+            self.kvmetrics_vllm = fingerprints.check_safely()
+        #: kvmetrics' own CPU time not yet counted (ns, an estimate: owncost), and the
+        #: total counted since start (``kvmetrics_instrumentation_cpu_seconds_total``).
+        self._kv_cpu_ns: float = 0
+        self.kvmetrics_cpu_ns: float = 0
         self._kv_ready: list[StepEvents] = []
         self._kv_step = 0
         self.kvmetrics_exporter = None
@@ -139,6 +116,7 @@ class InstrumentedMixin:
         #: Hook name -> why it is out (missing, changed signature); set at construction.
         self.kvmetrics_broken_hooks: dict[str, str] = {}
         self._kv_disabled: frozenset[str] = frozenset()
+        self._kv_off: frozenset[str] = frozenset()
         #: vLLM's name for the queue of requests held back while their KV arrives;
         #: None when an attribute the gauges read is missing (gauges then absent).
         self._kv_holding_attr: str | None = "kv_holding_waiting"
@@ -147,33 +125,32 @@ class InstrumentedMixin:
         self._kv_logged: set[str] = set()
         #: The request gauges from vLLM's own accessor, checked against kvmetrics' count.
         self._kv_self_checks = SelfChecks()
-        # Read through getattr: a vLLM without it is reported by the check below.
-        policy = "recompute" if getattr(me, "recompute_kv_load_failures", True) else "fail"
-        self._kv = StepRecorder(me.block_size, policy, me.connector is not None)
         self._kv_check_hooks()
-        on = self._kv_on
-        self._kv_sched_on = on("scheduler.schedule")
-        self._kv_output_on = on("scheduler.update_from_output")
-        self._kv_rng = random.Random()
-        self._kv_sample_in = self._kv_gap()
+        # Read through getattr: a vLLM without it is reported by the check above.
+        policy = "recompute" if getattr(me, "recompute_kv_load_failures", True) else "fail"
+        self._kv = StepRecorder(me.block_size, policy, me.connector is not None,
+                                schedule_hooked="scheduler.schedule" not in self._kv_off)
+        self._kv_output_off = _OUTPUT_HOOK in self._kv_off
+        self._kv_read_gap_ns = round(step_end.GAUGE_MIN_INTERVAL_S * 1e9)
+        self._kv_read_next_ns = 0  # the first GAUGE_EVERY-th step reads them
+        self._kv_setup_cost()
         blocks = me.kv_cache_manager.block_pool.num_gpu_blocks
-        every = max(POOL_AUDIT_EVERY, blocks // POOL_AUDIT_BLOCKS)
-        # A multiple of GAUGE_EVERY: the audit runs with a gauge read.
-        self._kv_audit_every = -(-every // GAUGE_EVERY) * GAUGE_EVERY
-        verification = getattr(self, "kvmetrics_vllm", None)
+        every = max(step_end.POOL_AUDIT_EVERY, blocks // step_end.POOL_AUDIT_BLOCKS)
+        self._kv_audit_every = every
+        self._kv_audit_next = every
+        verification = self.kvmetrics_vllm
         if verification is not None and not verification.verified:
             log.warning("kvmetrics: %s; kvmetrics was not verified on this vLLM code, so the "
                         "figures that depend on it may be wrong (docs/vllm.md, verified "
                         "versions)", verification.summary())
         try:
             install_helper_wrappers(self, self._kv_on, self._kv_call_guarded,
-                                    self._kv_hook_failed, self._kv_tally)
+                                    self._kv_hook_failed, self._kv)
         except Exception:
             log.exception("kvmetrics could not hook vLLM's cache manager; counts will be partial")
         try:
             settings = settings_for(me.vllm_config)
-            settings.recovery = getattr(self, "kvmetrics_recovery", "vllm")
-            verification = getattr(self, "kvmetrics_vllm", None)
+            settings.recovery = self.kvmetrics_recovery
             if verification is not None:
                 settings.vllm = (verification.version, str(verification.verified).lower(),
                                  ",".join(t.partition(":")[2] for t in verification.differing))
@@ -187,7 +164,12 @@ class InstrumentedMixin:
             # Visible on the endpoint from the start, before any request.
             self._kv_record(StepEvents(step=0))
 
-    # -- hook checks ---------------------------------------------------------------------
+    @property
+    def kvmetrics_protecting(self) -> bool:
+        """Whether the protective recovery runs (then :class:`ProtectMixin` is in the class)."""
+        return isinstance(self, ProtectMixin)
+
+    # -- construction-time decisions ---------------------------------------------------
 
     def _kv_check_hooks(self) -> None:
         try:
@@ -196,6 +178,7 @@ class InstrumentedMixin:
             log.exception("kvmetrics could not check vLLM's hooks; assuming they match")
             return
         self.kvmetrics_broken_hooks = broken
+        self._kv_off = frozenset(broken)
         self._kv_disabled = hooks.disabled_families(broken)
         gauges_on = not self._kv_disabled & set(hooks.GAUGE_FAMILIES)
         self._kv_holding_attr = (hooks.resolve_attribute(self, hooks.HOLDING_WAITING)
@@ -207,64 +190,60 @@ class InstrumentedMixin:
                         name, problem,
                         ", ".join(sorted(hooks.BY_NAME[name].families)) or "nothing")
 
-    def _kv_gap(self) -> int:
-        """Steps until the next timed one: geometric with mean CPU_SAMPLE_EVERY, i.e.
-        each step timed independently with probability 1/CPU_SAMPLE_EVERY."""
-        if CPU_SAMPLE_EVERY <= 1:
-            return 1
-        u = 1.0 - self._kv_rng.random()  # in (0, 1]
-        return int(math.log(u) / math.log(1.0 - 1.0 / CPU_SAMPLE_EVERY)) + 1
+    def _kv_setup_cost(self) -> None:
+        """The calibration of kvmetrics' own CPU estimate (owncost), once per process."""
+        self._kv_charged_step = 0
+        self._kv_charged_evictions = 0
+        try:
+            cal = owncost.calibrate(InstrumentedMixin)
+        except Exception:
+            log.exception("kvmetrics could not calibrate its CPU estimate; it will leave "
+                          "out the work it does not time")
+            cal = owncost.Calibration()
+        self._kv_cal = cal
+        self._kv_clock_ns = round(cal.clock_ns)
 
     def _kv_on(self, hook: str) -> bool:
-        return hook not in self.kvmetrics_broken_hooks
+        return hook not in self._kv_off
 
-    def _kv_hook_failed(self, hook: str) -> None:
-        """A hook raised: count it on the endpoint, log its first fault (with traceback)."""
-        self._kv_errors[hook] = self._kv_errors.get(hook, 0) + 1
-        if hook not in self._kv_logged:
-            self._kv_logged.add(hook)
-            log.exception("kvmetrics hook %s failed; metrics may be incomplete", hook)
-
-    def _kv_call_guarded(self, hook: str, method: str, *args: Any) -> None:
-        """Call a recorder method by name for ``hook``; same fault policy as :func:`_guarded`."""
-        start = thread_time_ns()
-        try:
-            getattr(self._kv, method)(*args)
-        except CounterViolationError:
-            raise
-        except Exception:
-            self._kv_hook_failed(hook)
-        finally:
-            self._kv_cpu_ns += thread_time_ns() - start
-
-    def _kv_tally(self, hook: str, method: str, *args: Any) -> None:
-        """:meth:`_kv_call_guarded` without the clock, for a hook that is a counter
-        increment on ordinary steps (two clock reads would cost more than the work)."""
-        try:
-            getattr(self._kv, method)(*args)
-        except Exception:
-            self._kv_hook_failed(hook)
-
-    def _kv_pending(self, *fields: str) -> bool:
-        """Whether the recorder holds work in any of these fields, so that a step with
-        none skips the hook; True when it cannot be read (the guarded hook then meets
-        the fault and counts it)."""
-        try:
-            kv = self._kv
-            return any(getattr(kv, name) for name in fields)
-        except Exception:
-            return True
-
-    # -- scheduling --------------------------------------------------------------------
+    # -- the two overrides of every step -----------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        if not self._kv_sched_on:
-            self._kv.new_loads.clear()  # nobody will resolve their mode
-        else:
-            if self._kv_pending("new_loads", "redo"):  # else scheduled() finds nothing
-                self._kv_after_schedule(out)
+        kv = self._kv
+        try:
+            pending = kv.new_loads or kv.redo  # else scheduled() finds nothing
+        except Exception:
+            pending = True  # the guarded hook meets the fault and counts it
+        if pending:
+            self._kv_after_schedule(out)
         return out
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        if self._kv_output_off:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        kv = self._kv
+        try:
+            pending = kv.sync_loads or kv.async_loads  # else loads_done() finds nothing
+        except Exception:
+            pending = True
+        if pending:
+            self._kv_before_output(args, kwargs)
+        result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        step = self._kv_step = self._kv_step + 1
+        try:
+            ev = kv.events
+            eventless = (self.kvmetrics_pipeline is not None and not self._kv_errors
+                         and not (ev.increments or ev.rollbacks or ev.discarded_tokens
+                                  or ev.recovery_seconds is not None or ev.gauges is not None
+                                  or ev.pool is not None))
+        except Exception:
+            eventless = False  # the full path below meets the fault and counts it
+        if eventless and step % GAUGE_EVERY:
+            ev.step = step + 1  # nothing happened: nothing to record
+        else:
+            self._kv_end_step(step, eventless)
+        return result
 
     @_guarded("scheduler.schedule")
     def _kv_after_schedule(self, out: Any) -> None:
@@ -279,225 +258,16 @@ class InstrumentedMixin:
         self._kv.scheduled(id(out), out.num_scheduled_tokens,
                            lambda rid: requests[rid].num_computed_tokens, async_admitted)
 
-    def _preempt_request(self, *args: Any, **kwargs: Any) -> Any:
-        hook = "scheduler._preempt_request"
-        if not self._kv_on(hook):
-            return super()._preempt_request(*args, **kwargs)  # type: ignore[misc]
-        request = argument(args, kwargs, 0, "request")
-        computed = getattr(request, "num_computed_tokens", 0)
-        result = super()._preempt_request(*args, **kwargs)  # type: ignore[misc]
-        self._kv_call_guarded(hook, "preempted", request.request_id, computed)
-        return result
-
-    def _free_request(self, *args: Any, **kwargs: Any) -> Any:
-        hook = "scheduler._free_request"
-        if self._kv_on(hook):
-            request = argument(args, kwargs, 0, "request")
-            try:
-                rid, status = request.request_id, request.status.name
-            except Exception:
-                self._kv_hook_failed(hook)
-            else:
-                self._kv_call_guarded(hook, "finished", rid, status)
-        return super()._free_request(*args, **kwargs)  # type: ignore[misc]
-
-    # -- recovery path -----------------------------------------------------------------
-
-    def _handle_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._kv_on("scheduler._handle_invalid_blocks"):
-            return super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
-        t0 = time.perf_counter()
-        try:
-            return super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self._kv_recovery_time(time.perf_counter() - t0)
-
-    @_guarded("scheduler._handle_invalid_blocks")
-    def _kv_recovery_time(self, seconds: float) -> None:
-        ev = self._kv.events
-        ev.recovery_seconds = (ev.recovery_seconds or 0.0) + seconds
-
-    def _update_requests_with_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        hook = "scheduler._update_requests_with_invalid_blocks"
-        if not self._kv_on(hook):
-            return super()._update_requests_with_invalid_blocks(  # type: ignore[misc]
-                *args, **kwargs)
-        # vLLM passes a generator for async loads: read it once, hand vLLM the list.
-        if args:
-            scanned = list(args[0])
-            args = (scanned, *args[1:])
-        else:
-            scanned = list(kwargs.get("requests", ()))
-            kwargs["requests"] = scanned
-        num_scheduled: dict[str, int] = argument(args, kwargs, 2, "num_scheduled_tokens", {})
-        evict = bool(argument(args, kwargs, 3, "evict_blocks", True))
-        before = self._kv_before_rollback(scanned, num_scheduled)
-        result = super()._update_requests_with_invalid_blocks(  # type: ignore[misc]
-            *args, **kwargs)
-        if before is not None:
-            self._kv_rolled_back(scanned, result[0], before, num_scheduled,
-                                 "sync" if evict else "async")
-        return result
-
-    def _kv_before_rollback(self, scanned: list[Any],
-                            num_scheduled: dict[str, int]) -> dict[str, int] | None:
-        try:
-            return {r.request_id: r.num_computed_tokens - num_scheduled.get(r.request_id, 0)
-                    for r in scanned}
-        except Exception:
-            self._kv_hook_failed("scheduler._update_requests_with_invalid_blocks")
-            return None
-
-    @_guarded("scheduler._update_requests_with_invalid_blocks")
-    def _kv_rolled_back(self, scanned: list[Any], affected: set[str], before: dict[str, int],
-                        num_scheduled: dict[str, int], mode: str) -> None:
-        for request in scanned:
-            rid = request.request_id
-            if rid in affected:
-                self._kv.rolled_back(mode, rid, before[rid], request.num_computed_tokens,
-                                     num_scheduled.get(rid, 0))
-
-    def _handle_failed_recving(self, *args: Any, **kwargs: Any) -> Any:
-        hook = "scheduler._handle_failed_recving"
-        if not self._kv_on(hook):
-            return super()._handle_failed_recving(*args, **kwargs)  # type: ignore[misc]
-        me: Any = self
-        failed_req_ids = argument(args, kwargs, 0, "failed_req_ids", ())
-        waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
-        try:
-            hit = {rid: me.requests[rid].num_computed_tokens for rid in failed_req_ids
-                   if rid in me.requests and me.requests[rid].status == waiting}
-        except Exception:
-            self._kv_hook_failed(hook)
-            hit = {}
-        result = super()._handle_failed_recving(*args, **kwargs)  # type: ignore[misc]
-        # vLLM resets the computed count to 0 (recompute) or fails the request.
-        for rid, before in hit.items():
-            self._kv_call_guarded(hook, "rolled_back", "async", rid, before, 0, 0)
-        return result
-
-    # -- output ------------------------------------------------------------------------
-
-    def kvmetrics_merge(self, events: StepEvents | None) -> None:
-        """Fold a model runner's own events (verification) into the current step."""
-        if events is not None:
-            self._kv_call_guarded("scheduler.update_from_output", "merge_events", events)
-
-    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._kv_output_on:
-            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        if self._kv_pending("sync_loads", "async_loads"):  # else loads_done() finds nothing
-            self._kv_before_output(argument(args, kwargs, 0, "scheduler_output"),
-                                   argument(args, kwargs, 1, "model_runner_output"))
-        result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        self._kv_end_step()
-        return result
-
-    @_guarded("scheduler.update_from_output")
-    def _kv_before_output(self, scheduler_output: Any, model_runner_output: Any) -> None:
-        kv_out = model_runner_output.kv_connector_output
+    @_guarded(_OUTPUT_HOOK)
+    def _kv_before_output(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        scheduler_output = argument(args, kwargs, 0, "scheduler_output")
+        kv_out = argument(args, kwargs, 1, "model_runner_output").kv_connector_output
         if kv_out is None:
             self._kv.loads_done(id(scheduler_output), set(), set())
             return
         self._kv.loads_done(id(scheduler_output), set(kv_out.invalid_block_ids),
                             set(kv_out.finished_recving or ()),
                             set(getattr(kv_out, "failed_recving", None) or ()))
-
-    def _kv_end_step(self) -> None:
-        self._kv_sample_in -= 1
-        if self._kv_sample_in:
-            self._kv_end_step_timed()
-            return
-        self._kv_sample_in = self._kv_gap()
-        start = thread_time_ns()
-        try:
-            self._kv_end_step_timed()
-        finally:
-            self._kv_cpu_ns += (thread_time_ns() - start) * max(CPU_SAMPLE_EVERY, 1)
-
-    def _kv_end_step_timed(self) -> None:
-        hook = "scheduler.update_from_output"
-        self._kv_step += 1
-        step = self._kv_step
-        if (self.kvmetrics_pipeline is not None and step % GAUGE_EVERY
-                and step % CPU_REPORT_EVERY and not self._kv_errors):
-            try:
-                kv = self._kv
-                if kv.quiet():
-                    kv.events.step = step + 1  # nothing happened: nothing to record
-                    return
-            except Exception:
-                pass  # the full path below meets the fault and counts it
-        try:
-            events = self._kv.take_step(self._kv_step)
-        except Exception:
-            self._kv_hook_failed(hook)
-            events = StepEvents(step=self._kv_step)
-        try:
-            self._kv_gauges(events)
-        except Exception:
-            self._kv_hook_failed(hook)
-        if self._kv_step % CPU_REPORT_EVERY == 0:
-            # CPU time of the steps before this one (this step's part is counted with
-            # the next report: no extra clock read, each costs about a microsecond).
-            spent, self._kv_cpu_ns = self._kv_cpu_ns, 0
-            self.kvmetrics_cpu_ns += spent
-            events.count(cat.INSTRUMENTATION_CPU, spent / 1e9)
-        self._kv_record(events)
-
-    def _kv_record(self, events: StepEvents) -> None:
-        """Hand a step's events on: counters of disabled hooks out, hook faults in."""
-        if self._kv_disabled:
-            off = self._kv_disabled
-            events.increments = [i for i in events.increments if i.spec.name not in off]
-            if cat.RECOVERY_DURATION.name in off:
-                events.recovery_seconds = None
-        if self._kv_errors:
-            errors, self._kv_errors = self._kv_errors, {}
-            for hook, n in errors.items():
-                events.count(cat.INSTRUMENTATION_ERRORS, n, hook)
-        pipeline = self.kvmetrics_pipeline
-        if pipeline is None:
-            self._kv_ready.append(events)
-            return
-        try:
-            pipeline.record(events)
-        except CounterViolationError:
-            raise
-        except Exception:
-            log.exception("kvmetrics failed to record step %d; the engine continues",
-                          events.step)
-
-    def _kv_gauges(self, events: StepEvents) -> None:
-        if self._kv_holding_attr is None:
-            return  # an attribute is missing: reported once at start, gauges absent
-        me: Any = self
-        events.gauges = self._kv_self_checks.gauges(me, self._kv_holding_attr, self._kv_step,
-                                                    events)
-        pool = me.kv_cache_manager.block_pool
-        if self._kv_step % self._kv_audit_every and events.recovery_seconds is None:
-            return
-        used = negative = 0
-        for block in pool.blocks:
-            if block.is_null:
-                continue
-            if block.ref_cnt > 0:
-                used += 1
-            elif block.ref_cnt < 0:
-                negative += 1
-        events.pool = PoolSnapshot(free_blocks=pool.get_num_free_blocks(), used_blocks=used,
-                                   total_blocks=pool.num_gpu_blocks - 1,
-                                   negative_ref_counts=negative)
-
-    @property
-    def kvmetrics_cpu_seconds(self) -> float:
-        """kvmetrics' own thread CPU time in this scheduler since it was built."""
-        return (self.kvmetrics_cpu_ns + self._kv_cpu_ns) / 1e9
-
-    def drain_events(self) -> list[StepEvents]:
-        """Steps completed since the last call, when no pipeline records them here."""
-        ready, self._kv_ready = self._kv_ready, []
-        return ready
 
     def shutdown(self) -> None:
         try:
@@ -515,10 +285,10 @@ def async_decided(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return bool(getattr(sched_config, "async_scheduling", False))
 
 
-class InstrumentedScheduler(InstrumentedMixin, ProtectMixin, Scheduler):
+class InstrumentedScheduler(InstrumentedMixin, Scheduler):
     """vLLM's scheduler plus kvmetrics counters (and, opt-in, the protective recovery
-    of :mod:`kvmetrics.integrations.vllm.protect`), the one class to name in
-    ``--scheduler-cls``.
+    of :mod:`kvmetrics.integrations.vllm.protect`, added to the class only when it is
+    on), the one class to name in ``--scheduler-cls``.
 
     It follows vLLM's own decision on async scheduling: vLLM resolves
     ``--scheduler-cls`` to this class whatever it decided, and a plain ``Scheduler``
@@ -533,7 +303,7 @@ class InstrumentedScheduler(InstrumentedMixin, ProtectMixin, Scheduler):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if async_decided(args, kwargs) and not issubclass(cls, AsyncScheduler):
             cls = async_twin(cls)
-        return super().__new__(cls)
+        return super().__new__(cls, *args, **kwargs)
 
 
 class InstrumentedAsyncScheduler(InstrumentedScheduler, AsyncScheduler):
