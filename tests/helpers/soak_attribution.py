@@ -1,10 +1,11 @@
 """Which documented vLLM patch removes a failing soak seed's stale reads.
 
 An oracle the lab's own classifier does not share: each seed's scenario runs on
-vLLM's real scheduler as shipped, then once per patch of ``docs/vllm-patches/``
-(applied alone to a scratch copy of the installed scheduler, as
-:mod:`tests.helpers.vllm_patch` does for the canaries), then with all of them.
-A seed whose stale reads one patch alone removes is attributed to that defect.
+vLLM's real scheduler as shipped, then with the patch series of
+``docs/vllm-patches/`` applied up to each of its patches (to a scratch copy of the
+installed scheduler, as :mod:`tests.helpers.vllm_patch` does for the canaries; the
+last is the whole series). A seed whose stale reads vanish once a patch is added is
+attributed to that patch's defects.
 
     python -m tests.helpers.soak_attribution 3 33 37 43
     python -m tests.helpers.soak_attribution --from-report soak.json
@@ -26,7 +27,7 @@ from pathlib import Path
 from kvmetrics.integrations.vllm.scheduler import InstrumentedMixin
 from kvmetrics.integrations.vllm_lab import builder
 from kvmetrics.lab.soak import run_scenario
-from tests.helpers.vllm_patch import PATCHES, patched_target
+from tests.helpers.vllm_patch import installed_series, patched_target
 
 #: Instrumented scheduler classes over patched vLLM, built once per set of patches:
 #: copying, patching and importing vLLM's scheduler takes about a second, and a full
@@ -71,14 +72,16 @@ def stale_blocks(seed: int, patches: list[Path] | None) -> int:
 
 
 def attribute(seeds: Sequence[int]) -> list[dict[str, object]]:
-    patches = sorted(PATCHES.glob("*.diff"))
+    patches = installed_series()
     rows = []
     for seed in seeds:
         row: dict[str, object] = {"seed": seed, "vllm": stale_blocks(seed, None)}
-        for patch in patches:
-            row[patch.stem] = stale_blocks(seed, [patch])
-        row["all patches"] = stale_blocks(seed, patches)
-        row["fixed by"] = ", ".join(p.stem for p in patches if row[p.stem] == 0) or "-"
+        for count, patch in enumerate(patches, 1):
+            row[patch.stem] = stale_blocks(seed, patches[:count])
+        row["all patches"] = row[patches[-1].stem]
+        # The first patch whose addition leaves no stale read (the series is cumulative).
+        row["fixed by"] = next((p.stem for p in patches if row[p.stem] == 0),
+                               "-") if row["vllm"] else "-"
         row["reduced by"] = ", ".join(
             f"{p.stem} ({row[p.stem]})" for p in patches
             if 0 < row[p.stem] < row["vllm"]) or "-"  # type: ignore[operator]
@@ -98,9 +101,10 @@ def markdown(rows: list[dict[str, object]]) -> str:
                 alone[name] = alone.get(name, 0) + 1
     several = sum(row["fixed by"] == "-" for row in rows)
     lines += ["", f"{len(rows)} seeds; all patches leave "
-              f"{sum(row['all patches'] != 0 for row in rows)} with a stale read; fixed by one "
-              "patch alone: " + (", ".join(f"{k} {v}" for k, v in sorted(alone.items())) or "none")
-              + f"; by none alone: {several}"]
+              f"{sum(row['all patches'] != 0 for row in rows)} with a stale read; fixed once the "
+              "series reaches: " + (", ".join(f"{k} {v}" for k, v in sorted(alone.items()))
+                                    or "none")
+              + f"; not fixed: {several}"]
     return "\n".join(lines)
 
 

@@ -1,10 +1,11 @@
-"""vLLM's scheduler with one of docs/vllm-patches/ applied, loaded beside the real one.
+"""vLLM's scheduler with patches of docs/vllm-patches/ applied, loaded beside the real one.
 
 The installed ``vllm/v1/core/sched/scheduler.py`` and ``async_scheduler.py`` are
-copied to a scratch folder, the patch is applied there with ``git apply`` (as a
-vLLM developer would apply it to a checkout), and the two files are imported
-under private module names, the async one on top of the patched synchronous one.
-The canaries then run on these classes instead of vLLM's own.
+copied to a scratch folder, the patches are applied there with ``git apply`` (as a
+vLLM developer would apply them to a checkout; their hunks for vLLM's tests are left
+out, the tests are not installed), and the two files are imported under private
+module names, the async one on top of the patched synchronous one. The canaries
+then run on these classes instead of vLLM's own.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from types import ModuleType
 
 import vllm
 
-from kvmetrics.integrations.vllm_lab.canaries import Target
+from kvmetrics.integrations.vllm_lab.canaries import Target, vllm_version
+from kvmetrics.integrations.vllm_lab.series import PATCHES, series
 
-REPO = Path(__file__).resolve().parents[2]
-PATCHES = REPO / "docs" / "vllm-patches"
+__all__ = ["PATCHES", "installed_series", "patched_target"]
 SCHED = Path("vllm/v1/core/sched")
 _names = itertools.count()
 
@@ -36,6 +37,11 @@ def _load(name: str, path: Path) -> ModuleType:
     return module
 
 
+def installed_series() -> list[Path]:
+    """The series for the installed vLLM (0.34's, or the 0.33.0 backport)."""
+    return series(vllm_version())
+
+
 def patched_target(patches: list[Path], scratch: Path) -> Target:
     """Schedulers from vLLM's files with ``patches`` applied (each must apply cleanly)."""
     installed = Path(vllm.__file__).resolve().parent.parent
@@ -43,8 +49,8 @@ def patched_target(patches: list[Path], scratch: Path) -> Target:
     for name in ("scheduler.py", "async_scheduler.py"):
         shutil.copy(installed / SCHED / name, scratch / SCHED / name)
     for patch in patches:
-        subprocess.run(["git", "apply", "--whitespace=nowarn", str(patch)], cwd=scratch,
-                       check=True, capture_output=True)
+        subprocess.run(["git", "apply", "--whitespace=nowarn", f"--include={SCHED}/*",
+                        str(patch)], cwd=scratch, check=True, capture_output=True)
     n = next(_names)
     sync = _load(f"kvmetrics_patched_scheduler_{n}", scratch / SCHED / "scheduler.py")
     source = (scratch / SCHED / "async_scheduler.py").read_text()

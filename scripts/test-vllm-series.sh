@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# Check the patch series of docs/vllm-patches/ against vLLM's own test suites.
+#
+#   scripts/test-vllm-series.sh [--ci] [VERSION...]     (default: 0.34.0 0.33.0)
+#
+# For each version: fetch the release's sdist from PyPI (pinned, sha256 checked,
+# cached in .vllm-src/), apply the series to a copy of it (docs/vllm-patches/*.patch
+# on 0.34.0, the backport docs/vllm-patches/0.33.0/*.patch on 0.33.0), lay the
+# patched scheduler over a copy of the installed vLLM of that version, and run
+# vLLM's tests/v1/kv_connector/unit and tests/v1/core three times:
+#   stock    the release's tests on the release as installed
+#   patched  the patched tests on the patched scheduler
+#   repro    the reproductions the series adds (its "Reproduces:" lines), on the
+#            release as installed
+# It fails when the series does not apply, when a test that passes on the release
+# does not pass patched, or when a reproduction passes on the release or fails
+# patched, and prints one summary line per version.
+#
+# --ci runs a stated subset instead of the two directories (about 5 minutes for both
+# versions instead of 17): the two test files the series changes, the remote
+# prefill/decode lifecycle tests (async loads, aborts), tests/v1/core/test_scheduler.py
+# and test_async_scheduler.py, and the kv_connector unit files that import vLLM's
+# Scheduler. The full run's numbers are in docs/vllm-patches/README.md.
+#
+# The installed vLLM is the project's: 0.33.0 in .venv (scripts/install.sh --vllm),
+# 0.34.0 in .vllm-versions/0.34.0-light laid over it (install.sh --test --vllm).
+# The light install has no GPU and no model weights: the tests run with
+# VLLM_TARGET_DEVICE=cpu, offline, with a config.json of facebook/opt-125m (the
+# model vLLM's test utils name) in a private HF cache, and with the pytest plugin
+# kvmetrics.integrations.vllm_lab.pytest_cpu_env (vLLM 0.34's CPU platform refuses
+# a config without Triton). Tests that still cannot run here fail on the release
+# as well; only tests passing on the release are held to passing patched.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+PYTHON=${PYTHON:-$REPO/.venv/bin/python}
+CACHE=$REPO/.vllm-src
+
+mode=full
+versions=()
+for arg in "$@"; do
+  case "$arg" in
+    --ci) mode=ci ;;
+    [0-9]*.[0-9]*.[0-9]*) versions+=("$arg") ;;
+    *) echo "test-vllm-series.sh: unknown argument $arg (--ci, or versions such as 0.34.0)" >&2
+       exit 2 ;;
+  esac
+done
+[ ${#versions[@]} -gt 0 ] || versions=(0.34.0 0.33.0)
+
+sdist_url() {
+  case "$1" in
+    0.34.0) echo "https://files.pythonhosted.org/packages/92/21/6e0b077dc4a0b28f5a8ce8bb352a38d7196650d681fd4faa87f8dc622eff/vllm-0.34.0.tar.gz" ;;
+    0.33.0) echo "https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz" ;;
+    *) return 1 ;;
+  esac
+}
+sdist_sha256() {
+  case "$1" in
+    0.34.0) echo fcad848b246a9d8652b47e6425af92334dc02492f9802720f54e27b823cf0113 ;;
+    0.33.0) echo f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112 ;;
+  esac
+}
+series_dir() {
+  case "$1" in
+    0.34.0) echo "$REPO/docs/vllm-patches" ;;
+    *) echo "$REPO/docs/vllm-patches/$1" ;;
+  esac
+}
+# PYTHONPATH entry that makes the installed vLLM of this version importable from .venv.
+vllm_overlay() {
+  if [ -d "$REPO/.vllm-versions/$1-light/vllm" ]; then echo "$REPO/.vllm-versions/$1-light"; fi
+}
+
+fetch_sdist() {
+  local version=$1 tarball=$CACHE/vllm-$1.tar.gz
+  mkdir -p "$CACHE"
+  if [ ! -f "$tarball" ] || ! echo "$(sdist_sha256 "$version")  $tarball" | sha256sum -c --quiet - 2>/dev/null; then
+    echo "fetching the vLLM $version sdist"
+    curl -sSfL --retry 3 -o "$tarball.part" "$(sdist_url "$version")"
+    mv "$tarball.part" "$tarball"
+  fi
+  echo "$(sdist_sha256 "$version")  $tarball" | sha256sum -c --quiet - || {
+    echo "vLLM $version sdist: sha256 mismatch" >&2; return 1; }
+}
+
+# A config.json of facebook/opt-125m in a private HF cache (no weights, no download).
+model_cache() {
+  local snap=$CACHE/hf/hub/models--facebook--opt-125m/snapshots/0000000000000000000000000000000000000000
+  mkdir -p "$snap" "$CACHE/hf/hub/models--facebook--opt-125m/refs"
+  printf 0000000000000000000000000000000000000000 > "$CACHE/hf/hub/models--facebook--opt-125m/refs/main"
+  cat > "$snap/config.json" <<'JSON'
+{"architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_size": 50272,
+ "hidden_size": 768, "word_embed_proj_dim": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
+ "num_attention_heads": 12, "max_position_embeddings": 2048, "do_layer_norm_before": true,
+ "activation_function": "relu", "bos_token_id": 2, "eos_token_id": 2, "pad_token_id": 1,
+ "torch_dtype": "float16"}
+JSON
+}
+
+run_pytest() {  # run_pytest TREE VLLM_PATH JUNIT ARGS...
+  local tree=$1 vllm_path=$2 junit=$3
+  shift 3
+  (cd "$tree" && PYTHONPATH="${vllm_path:+$vllm_path:}$tree:$REPO" VLLM_TARGET_DEVICE=cpu \
+     HF_HUB_OFFLINE=1 HF_HOME="$CACHE/hf" "$PYTHON" -m pytest -q -p no:cacheprovider \
+     -p kvmetrics.integrations.vllm_lab.pytest_cpu_env --confcutdir tests/v1 \
+     --continue-on-collection-errors --junitxml="$junit" "$@" > "$junit.log" 2>&1) || true
+  [ -s "$junit" ] || { echo "pytest wrote no report, see $junit.log" >&2; return 1; }
+}
+
+check_version() {
+  local version=$1 started=$SECONDS status
+  local series; series=$(series_dir "$version")
+  sdist_url "$version" > /dev/null || { echo "no pinned sdist for vLLM $version" >&2; return 1; }
+  local patches=("$series"/*.patch)
+  [ -f "${patches[0]}" ] || { echo "no series for vLLM $version in $series" >&2; return 1; }
+  fetch_sdist "$version"
+
+  local work=$CACHE/$version
+  rm -rf "$work"
+  mkdir -p "$work/stock" "$work/patched"
+  tar -xzf "$CACHE/vllm-$version.tar.gz" -C "$work/stock" --strip-components=1 \
+    "vllm-$version/vllm" "vllm-$version/tests" "vllm-$version/pyproject.toml"
+  cp -r "$work/stock/." "$work/patched"
+  # Its own repository, so that git apply takes the patch paths from there (inside
+  # this project's checkout it would skip them as lying outside the folder).
+  git -C "$work/patched" init -q
+  local patch
+  for patch in "${patches[@]}"; do
+    if ! (cd "$work/patched" && git apply --check "$patch" && git apply "$patch"); then
+      echo "vLLM $version ($mode): the series does not apply: $(basename "$patch")"
+      return 1
+    fi
+  done
+
+  # The installed vLLM of this version, and a copy of it with the patched files.
+  local overlay; overlay=$(vllm_overlay "$version")
+  local installed
+  installed=$(PYTHONPATH="$overlay" "$PYTHON" -c \
+    "import os, vllm; print(vllm.__version__, os.path.dirname(vllm.__file__))" 2>/dev/null) || true
+  if [ "${installed%% *}" != "$version" ]; then
+    echo "vLLM $version is not installed here (found: ${installed:-none}); see scripts/install.sh" >&2
+    return 1
+  fi
+  installed=${installed#* }
+  local changed
+  changed=$(cd "$work/patched" && for patch in "${patches[@]}"; do
+    git apply --numstat "$patch"; done | awk '{print $3}' | grep '^vllm/' | sort -u)
+  # The sdist's vllm/ sources leave the test trees: pytest puts a tree's root first on
+  # sys.path, and the tests must import the installed vLLM (or its patched copy).
+  mv "$work/stock/vllm" "$work/stock-src"
+  mv "$work/patched/vllm" "$work/patched-src"
+  local file
+  for file in $changed; do
+    cmp -s "$work/stock-src/${file#vllm/}" "$installed/${file#vllm/}" || {
+      echo "the installed vLLM $version differs from its sdist in $file" >&2; return 1; }
+  done
+  mkdir -p "$work/pkg"
+  cp -al "$installed" "$work/pkg/vllm" 2>/dev/null || cp -r "$installed" "$work/pkg/vllm"
+  for file in $changed; do
+    rm -f "$work/pkg/$file"
+    cp "$work/patched-src/${file#vllm/}" "$work/pkg/$file"
+  done
+
+  local targets=(tests/v1/kv_connector/unit tests/v1/core)
+  if [ "$mode" = ci ]; then
+    targets=(tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py
+             tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py
+             tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py
+             tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py
+             tests/v1/core/test_scheduler.py tests/v1/core/test_async_scheduler.py)
+    local f
+    for f in $(cd "$work/stock" && grep -l "^from vllm.v1.core.sched.scheduler import" \
+                 tests/v1/kv_connector/unit/test_*.py | sort); do
+      case " ${targets[*]} " in *" $f "*) ;; *) targets+=("$f") ;; esac
+    done
+  fi
+  local reproductions
+  mapfile -t reproductions < <(sed -n 's/^Reproduces: //p' "${patches[@]}")
+
+  model_cache
+  run_pytest "$work/stock" "$overlay" "$work/stock.xml" "${targets[@]}"
+  run_pytest "$work/patched" "$work/pkg" "$work/patched.xml" "${targets[@]}"
+  run_pytest "$work/patched" "$overlay" "$work/repro.xml" "${reproductions[@]}"
+  "$PYTHON" scripts/vllm-series-compare.py "$version" "$mode, ${#patches[@]} patches" \
+    "$work/stock.xml" "$work/patched.xml" "$work/repro.xml" "${reproductions[@]}" \
+    && status=0 || status=1
+  echo "  ($((SECONDS - started)) s; logs and JUnit reports in ${work#"$REPO"/}/)"
+  return $status
+}
+
+failed=0
+for version in "${versions[@]}"; do
+  check_version "$version" || failed=1
+done
+exit $failed
