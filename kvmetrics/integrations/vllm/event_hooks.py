@@ -30,21 +30,28 @@ from kvmetrics.metrics.guard import CounterViolationError
 log = logging.getLogger(LOGGER)
 
 
+def _run_guarded(owner: Any, hook: str, fn: Callable[..., None], *args: Any,
+                 **kwargs: Any) -> None:
+    """Run ``fn`` for ``hook``, timed; count and log its faults, never raise them (a
+    guard violation in strict mode is raised: that is what strict asks for)."""
+    start = thread_time_ns()
+    try:
+        fn(*args, **kwargs)
+    except CounterViolationError:
+        raise
+    except Exception:
+        owner._kv_hook_failed(hook)
+    finally:
+        owner._kv_timed(thread_time_ns() - start)
+
+
 def _guarded(hook: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Run the metrics side of ``hook``, timed; count and log its faults, never raise them."""
+    """Run the metrics side of ``hook`` under :func:`_run_guarded`."""
 
     def wrap(fn: Callable[..., None]) -> Callable[..., None]:
         @functools.wraps(fn)
         def run(self: Any, *args: Any, **kwargs: Any) -> None:
-            start = thread_time_ns()
-            try:
-                fn(self, *args, **kwargs)
-            except CounterViolationError:
-                raise
-            except Exception:
-                self._kv_hook_failed(hook)
-            finally:
-                self._kv_timed(thread_time_ns() - start)
+            _run_guarded(self, hook, fn, self, *args, **kwargs)
 
         return run
 
@@ -74,17 +81,9 @@ class EventHooks:
             log.exception("kvmetrics hook %s failed; metrics may be incomplete", hook)
 
     def _kv_call_guarded(self, hook: str, method: str, *args: Any) -> None:
-        """Call a recorder method by name for ``hook``, timed; same fault policy as
-        :func:`_guarded`."""
-        start = thread_time_ns()
-        try:
-            getattr(self._kv, method)(*args)
-        except CounterViolationError:
-            raise
-        except Exception:
-            self._kv_hook_failed(hook)
-        finally:
-            self._kv_timed(thread_time_ns() - start)
+        """Call a recorder method by name for ``hook`` under :func:`_run_guarded`."""
+        # The lookup too is inside the guard: a broken recorder must not reach vLLM.
+        _run_guarded(self, hook, lambda: getattr(self._kv, method)(*args))
 
     def kvmetrics_merge(self, events: StepEvents | None) -> None:
         """Fold a model runner's own events (verification) into the current step."""
