@@ -15,8 +15,8 @@ from kvmetrics.engine.external_store import ExternalStoreIndex
 from kvmetrics.engine.request import Request
 from kvmetrics.engine.scheduler import SchedulerConfig
 from kvmetrics.engine.tokens import ExplicitTokens
+from kvmetrics.integrations.vllm import owncost, step_end
 from kvmetrics.integrations.vllm import scheduler as instrumented
-from kvmetrics.integrations.vllm import step_end
 from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
 
@@ -64,7 +64,8 @@ def test_quiet_steps_record_nothing_and_the_gauges_stay_vllms(
 def test_a_quiet_step_is_one_call_deep() -> None:
     """On a decode step that records nothing, the only kvmetrics functions that run are
     the two overrides and the block pool's eviction counter: no helper, no guard, no
-    clock, no pass-through layer of a mode that is off."""
+    clock, no pass-through layer of a mode that is off. One step in 64 also hands an
+    in-place timing of the overrides to the CPU estimate (owncost's sample)."""
     import os
     import sys
 
@@ -91,8 +92,8 @@ def test_a_quiet_step_is_one_call_deep() -> None:
     # (kvmetrics_merge: the lab's model runner handing its own events, None here; vLLM
     # never calls it.)
     allowed = {"schedule", "update_from_output", "maybe_evict_hook", "kvmetrics_merge"}
-    quiet = 0
-    for _ in range(2 * instrumented.GAUGE_EVERY):
+    quiet = sampled = 0
+    for _ in range(3 * instrumented.GAUGE_EVERY):
         step = sched._kv_step + 1
         called: list[str] = []
 
@@ -108,7 +109,12 @@ def test_a_quiet_step_is_one_call_deep() -> None:
         if step not in recorded and step % instrumented.GAUGE_EVERY:  # (those look at
             # the time, to see whether the gauges are due)
             quiet += 1
+            if (step - 1) % owncost.SAMPLE_EVERY == owncost.SAMPLE_PHASE:
+                sampled += 1
+                assert set(called) <= allowed | {"_kv_sampled", "add"}, called
+                assert called.count("_kv_sampled") == 2, called
+                continue
             assert set(called) <= allowed, called
             assert called.count("schedule") == called.count("update_from_output") == 1
     engine.close()
-    assert quiet > instrumented.GAUGE_EVERY
+    assert quiet > instrumented.GAUGE_EVERY and sampled >= 1

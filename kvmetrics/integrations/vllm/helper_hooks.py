@@ -91,17 +91,21 @@ def eviction_counter(maybe_evict: Callable[..., Any], recorder: Any,
                      failed: Callable[[str], None]) -> Callable[..., Any]:
     """The block pool's ``_maybe_evict_cached_block`` counting each evicted block with
     one integer increment on the recorder (``evicted_n``), no call and no clock: it runs
-    once per block allocated, inside vLLM's ``schedule()``. Its cost is estimated from a
-    calibration of this same wrapper (:mod:`.owncost`), not timed."""
+    once per block allocated, inside vLLM's ``schedule()``. Its cost is estimated per
+    call (``evict_calls``) from a calibration of this same wrapper (:mod:`.owncost`)."""
     hook = "block_pool._maybe_evict_cached_block"
 
     def maybe_evict_hook(*args: Any, **kwargs: Any) -> Any:
-        evicted = maybe_evict(*args, **kwargs)
-        if evicted:
-            try:
+        if len(args) == 1 and not kwargs:
+            evicted = maybe_evict(args[0])  # vLLM's one call form: no re-packing
+        else:
+            evicted = maybe_evict(*args, **kwargs)
+        try:
+            recorder.evict_calls += 1
+            if evicted:
                 recorder.evicted_n += 1
-            except Exception:
-                failed(hook)
+        except Exception:
+            failed(hook)
         return evicted
 
     return maybe_evict_hook

@@ -1,31 +1,37 @@
 """kvmetrics' own CPU time on vLLM's scheduler thread, estimated without a clock per step.
 
 ``kvmetrics_instrumentation_cpu_seconds_total`` estimates the CPU time the instrumented
-scheduler adds to vLLM's. It has two parts:
+scheduler adds to vLLM's. It has three parts:
 
 1. **Timed, every time: the work that varies.** The end of a recorded step (events,
-   gauge reads, self-checks, exporters, the pool audit: every 32nd step and every step
-   where something happened) and the hooks on vLLM's rarer paths (admission, loads,
+   gauge reads, self-checks, exporters, the pool audit: every step where something
+   happened and a periodic one) and the hooks on vLLM's rarer paths (admission, loads,
    preemption, finish, recovery) read the thread CPU clock around themselves on every
    call. A pair of reads sees about one read's cost, so each interval is counted with
    one more read (:attr:`Calibration.clock_ns`): the clock reads are kvmetrics' cost too.
-2. **Calibrated: the work that does not vary.** On a step where nothing happened the
-   two overrides vLLM calls (``schedule``, ``update_from_output``) do the same few
-   attribute tests and integer updates every time, and the block pool's eviction counter
-   one increment per evicted block. Timing those would cost more than they do (a clock
-   read is a system call, 0.6-0.9 us on the VMs measured, against a few tenths of a
-   microsecond of work), and an interval that short is mostly the clock read's own
-   cost, which varies with the state of the caches around it: a sampled timing of them
-   was measured several times too high. So at construction (once per process, about
-   3 ms) the real override functions run in a tight loop on a probe instance over a
-   stand-in for vLLM's class, against the stand-in called directly: the difference is
-   the quiet step's cost (:attr:`Calibration.step_ns`), charged once per step; the real
-   eviction wrapper is calibrated the same way and charged per evicted block.
+2. **Sampled in place: the quiet step.** On a step where nothing happened the two
+   overrides vLLM calls (``schedule``, ``update_from_output``) do the same few attribute
+   tests and integer updates. Timing them on every step would cost more than they do,
+   and a warm loop measures them several times too cheap: in a real step kvmetrics'
+   objects are cold after vLLM's own work (measured 3-4 us in place against 0.6 us warm
+   on the VM of ``docs/benchmarks.md``). So on one step in :data:`SAMPLE_EVERY` (a fixed
+   phase that never meets the periodic work, which is timed) the same inline code runs
+   between two reads of the monotonic clock (``perf_counter_ns``, a vDSO read of tens of
+   nanoseconds, not a system call), less one read measured right there
+   (:class:`QuietSamples`). Each step is charged the mean of the samples so far: a
+   systematic 1-in-64 sample of the same code, unbiased as long as the quiet step's
+   cost does not vary with a 64-step period. A sample over :data:`SAMPLE_MAX_NS` had
+   the thread descheduled or interrupted inside it (a wall clock sees that) and is
+   left out.
+3. **Calibrated: the eviction counter.** The block pool's ``_maybe_evict_cached_block``
+   wrapper runs inside vLLM's allocation loop, once per block allocated; it is charged
+   per call at a cost calibrated at construction (once per process, about 1 ms: the real
+   wrapper in a tight loop against the function it wraps).
 
-What it cannot see: the calibrated figures are warm-cache figures; the same code in a
-real step, between two of vLLM's calls, misses the caches more. And kvmetrics' code and
-data take vLLM's place in the CPU caches between calls, which shows in vLLM's time, not
-kvmetrics'. ``benchmarks/vllm_added_cost.py`` measures the whole added cost and compares.
+What it cannot see: what kvmetrics costs inside vLLM's own code (vLLM's method reached
+through one more frame, the cache lines kvmetrics' code and data take from vLLM's), and
+the test that decides whether a step is sampled. ``benchmarks/vllm_added_cost.py``
+measures the whole added cost and compares it with this estimate.
 """
 
 from __future__ import annotations
@@ -33,8 +39,16 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from time import thread_time_ns
+from time import perf_counter_ns, thread_time_ns
 from typing import Any
+
+#: One step in SAMPLE_EVERY (a power of two) is timed in place, at this phase of the
+#: completed-step count (never a multiple of step_end.GAUGE_EVERY, where the periodic
+#: work is timed on its own).
+SAMPLE_EVERY = 64
+SAMPLE_PHASE = 20
+#: A sampled quiet step's own part longer than this was interrupted: left out.
+SAMPLE_MAX_NS = 200_000
 
 
 @dataclass(frozen=True)
@@ -44,24 +58,45 @@ class Calibration:
     #: What one ``thread_time_ns()`` adds to an interval it bounds (a read's full cost
     #: is about this much: part before the clock is sampled, part after).
     clock_ns: float = 0.0
-    #: The two overrides on a step where nothing happened, beyond vLLM's own calls.
-    step_ns: float = 0.0
-    #: The block pool's eviction wrapper per evicted block (its layer and the tally).
+    #: The block pool's eviction wrapper per call (its layer and the tallies).
     evict_ns: float = 0.0
 
 
-class _StandIn:
-    """Stands in for vLLM's scheduler class under the probe: returns at once."""
+class QuietSamples:
+    """In-place timings of the quiet step's inline code, by part (0: ``schedule``'s,
+    1: ``update_from_output``'s), and the mean a step is charged."""
 
-    def schedule(self) -> None:
-        return None
+    __slots__ = ("sums", "counts", "dropped")
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> None:
-        return None
+    def __init__(self) -> None:
+        self.sums = [0, 0]
+        self.counts = [0, 0]
+        self.dropped = 0
+
+    def add(self, part: int, ns: int, intervals: int) -> None:
+        """A sample of ``part`` that spanned ``intervals`` clock-bounded intervals: each
+        holds about one read of the clock, measured now and taken off."""
+        read = perf_counter_ns()
+        read = perf_counter_ns() - read
+        ns -= intervals * read
+        if ns > SAMPLE_MAX_NS:
+            self.dropped += 1
+            return
+        self.sums[part] += ns  # a small negative (clock jitter) stays: no upward bias
+        self.counts[part] += 1
+
+    def step_ns(self) -> float:
+        """The estimated quiet-step cost (ns), both parts; 0 before any sample."""
+        total = 0.0
+        for s, n in zip(self.sums, self.counts, strict=True):
+            if n:
+                total += s / n
+        return max(total, 0.0)
 
 
 class _Tally:
     evicted_n = 0
+    evict_calls = 0
 
 
 def _least_ns(loop: Any, calls: int, rounds: int) -> float:
@@ -75,26 +110,11 @@ def _least_ns(loop: Any, calls: int, rounds: int) -> float:
     return best / calls
 
 
-def _probe(mixin: type) -> Any:
-    """An instance of ``mixin`` over :class:`_StandIn` in the state of a quiet step."""
-    from kvmetrics.integrations.vllm.recorder import StepRecorder
-
-    cls = type("_Probe", (mixin, _StandIn), {})
-    probe = object.__new__(cls)  # no vLLM, no exporter: only what the quiet step reads
-    probe._kv = StepRecorder(16, "recompute", False)
-    probe._kv_output_off = False
-    probe._kv_step = 1
-    probe._kv_read_next_ns = 1 << 62  # gauges never due: every 32nd step only looks
-    probe._kv_errors = {}
-    probe.kvmetrics_pipeline = object()
-    return probe
-
-
 _CALIBRATION: Calibration | None = None
 
 
-def calibrate(mixin: type, calls: int = 300, rounds: int = 7) -> Calibration:
-    """Measure the :class:`Calibration` with ``mixin``'s own overrides (once per process)."""
+def calibrate(calls: int = 300, rounds: int = 7) -> Calibration:
+    """Measure the :class:`Calibration` (once per process)."""
     global _CALIBRATION
     if _CALIBRATION is not None:
         return _CALIBRATION
@@ -104,19 +124,6 @@ def calibrate(mixin: type, calls: int = 300, rounds: int = 7) -> Calibration:
     for _ in range(200):
         t0 = thread_time_ns()
         pairs.append(thread_time_ns() - t0)
-    probe = _probe(mixin)
-    schedule, update = probe.schedule, probe.update_from_output
-    base_schedule, base_update = _StandIn.schedule, _StandIn.update_from_output
-
-    def instrumented(n: int) -> None:
-        for _ in range(n):
-            schedule()
-            update(None, None)
-
-    def bare(n: int) -> None:
-        for _ in range(n):
-            base_schedule(probe)
-            base_update(probe, None, None)
 
     def evicted(block: Any) -> bool:  # vLLM's _maybe_evict_cached_block, evicting
         return True
@@ -131,8 +138,6 @@ def calibrate(mixin: type, calls: int = 300, rounds: int = 7) -> Calibration:
         for _ in range(n):
             evicted(None)
 
-    step = _least_ns(instrumented, calls, rounds) - _least_ns(bare, calls, rounds)
     evict = _least_ns(evicting, calls, rounds) - _least_ns(direct, calls, rounds)
-    _CALIBRATION = Calibration(float(statistics.median(pairs)), max(step, 0.0),
-                               max(evict, 0.0))
+    _CALIBRATION = Calibration(float(statistics.median(pairs)), max(evict, 0.0))
     return _CALIBRATION

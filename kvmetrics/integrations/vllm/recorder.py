@@ -71,9 +71,11 @@ class StepRecorder:
         #: work kvmetrics does per block), folded in when the cause changes or the step
         #: is taken.
         self.evicted_n = 0
-        #: Per-block evictions folded in since start (kvmetrics' own CPU estimate charges
-        #: the wrapper's calibrated cost per block; a reset's evictions are timed instead).
+        #: Per-block evictions folded in since start.
         self.evicted_total = 0
+        #: Calls of the block pool's wrapper since start (kvmetrics' own CPU estimate
+        #: charges its calibrated cost per call).
+        self.evict_calls = 0
         #: Whether ``evictions`` holds anything not yet taken.
         self.evicted_any = False
         #: Loads whose mode is known only once schedule() returns: (rid, block ids).

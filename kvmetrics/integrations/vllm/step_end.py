@@ -73,9 +73,10 @@ class StepEnd:
     _kv_cpu_ns: float
     _kv_clock_ns: int
     _kv_cal: owncost.Calibration
+    _kv_samples: owncost.QuietSamples
     _kv_step: int
     _kv_charged_step: int
-    _kv_charged_evictions: int
+    _kv_charged_evict_calls: int
     _kv_disabled: frozenset[str]
     _kv_errors: dict[str, int]
     _kv_ready: list[StepEvents]
@@ -95,16 +96,23 @@ class StepEnd:
     # -- kvmetrics' own CPU time (owncost) ---------------------------------------------
 
     def _kv_uncharged_ns(self) -> tuple[float, int, int]:
-        """The calibrated cost of what is never timed (the quiet part of every step, the
-        eviction counter) since the last charge, and the step and eviction counts to it."""
-        cal = self._kv_cal
-        step, evicted = self._kv_step, self._kv.evicted_total + self._kv.evicted_n
-        return (cal.step_ns * (step - self._kv_charged_step)
-                + cal.evict_ns * (evicted - self._kv_charged_evictions), step, evicted)
+        """The estimated cost of what is never timed (the quiet part of every step,
+        sampled in place; the eviction wrapper, calibrated) since the last charge, and
+        the step and wrapper-call counts to it."""
+        step, calls = self._kv_step, self._kv.evict_calls
+        return (self._kv_samples.step_ns() * (step - self._kv_charged_step)
+                + self._kv_cal.evict_ns * (calls - self._kv_charged_evict_calls), step, calls)
+
+    def _kv_sampled(self, part: int, ns: int, intervals: int) -> None:
+        """A timing of the quiet step's inline ``part`` (owncost, part 2)."""
+        try:
+            self._kv_samples.add(part, ns, intervals)
+        except Exception:
+            self._kv_hook_failed(_OUTPUT_HOOK)
 
     def _kv_charge(self) -> None:
         """Add the calibrated cost of what is never timed, up to now."""
-        ns, self._kv_charged_step, self._kv_charged_evictions = self._kv_uncharged_ns()
+        ns, self._kv_charged_step, self._kv_charged_evict_calls = self._kv_uncharged_ns()
         self._kv_cpu_ns += ns
 
     @property
