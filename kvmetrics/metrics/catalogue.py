@@ -212,10 +212,11 @@ INSTRUMENTATION_ERRORS = MetricSpec(
 )
 INSTRUMENTATION_CPU = MetricSpec(
     "kvmetrics_instrumentation_cpu_seconds_total", "counter",
-    "CPU time the instrumented scheduler's own metrics work used, not vLLM's: thread CPU "
-    "time around kvmetrics' side of every rare hook, plus the per-step recording "
-    "(exporters included) timed on a random 1 step in 64 and scaled by 64 (an unbiased "
-    "estimate). rate() of it is the share of one core that observing costs.",
+    "CPU time of the instrumented scheduler's own metrics work, an estimate: thread CPU "
+    "time around the rare hooks and every recorded step (exporters included), the quiet "
+    "step's inline code timed in place on 1 step in 64 and charged to every step, the "
+    "eviction wrapper at a calibrated cost per call. It leaves out what kvmetrics costs "
+    "inside vLLM's own code (a lower bound). rate() of it is the share of one core.",
     unit="seconds",
 )
 SELF_CHECK_FAILURES = MetricSpec(
