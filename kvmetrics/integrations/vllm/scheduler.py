@@ -314,7 +314,9 @@ class InstrumentedMixin(StepEnd, EventHooks):
 def _next_function(sched: InstrumentedMixin, name: str) -> Any:
     """The plain function ``super(InstrumentedMixin, sched).<name>`` resolves to now (the
     protective mode's or vLLM's), or None when it is not a plain function (then the
-    override goes through ``super()`` on every call, as before)."""
+    override goes through ``super()`` on every call, as before). Resolved once, at
+    construction: a patch to that class's method made after the scheduler was built is
+    not seen."""
     try:
         bound = getattr(super(InstrumentedMixin, sched), name)
         fn = getattr(bound, "__func__", None)
