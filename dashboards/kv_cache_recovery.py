@@ -377,7 +377,10 @@ def exporter_health() -> Panels:
         p.time_series(
             "kvmetrics overhead",
             "CPU time kvmetrics' own metrics work takes on each engine's scheduler thread, "
-            "as a share of one core (rate of kvmetrics_instrumentation_cpu_seconds_total). "
+            "as a share of one core (rate of kvmetrics_instrumentation_cpu_seconds_total, an "
+            "estimate). It leaves out what kvmetrics costs inside vLLM's own code (one more "
+            "call, caches), so read it as a lower bound: on the benchmark VM the whole added "
+            "cost was 1.3-4x it in most runs. "
             "Compare with the EngineCore's CPU from your node or container metrics; "
             "docs/benchmarks.md gives the share of vLLM's scheduler CPU time.",
             p.RATIO,
