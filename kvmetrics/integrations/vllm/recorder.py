@@ -71,8 +71,6 @@ class StepRecorder:
         #: work kvmetrics does per block), folded in when the cause changes or the step
         #: is taken.
         self.evicted_n = 0
-        #: Per-block evictions folded in since start.
-        self.evicted_total = 0
         #: Calls of the block pool's wrapper since start (kvmetrics' own CPU estimate
         #: charges its calibrated cost per call).
         self.evict_calls = 0
@@ -220,7 +218,6 @@ class StepRecorder:
         n = self.evicted_n
         if n:
             self.evicted_n = 0
-            self.evicted_total += n
             self.evicted(n)
 
     def set_evict_cause(self, cause: str) -> None:
@@ -229,15 +226,6 @@ class StepRecorder:
 
     def merge_events(self, events: StepEvents) -> None:
         self.events.merge(events)
-
-    def quiet(self) -> bool:
-        """Whether nothing but evictions happened in this step so far. Evictions wait
-        in ``evictions`` for the next step that is recorded (at most a few steps: a
-        warm cache evicts a cached block on many decode steps)."""
-        ev = self.events
-        return not (ev.increments or ev.rollbacks or ev.discarded_tokens
-                    or ev.recovery_seconds is not None or ev.gauges is not None
-                    or ev.pool is not None)
 
     def take_step(self, step: int) -> StepEvents:
         """The finished step's events; a fresh accumulator starts for the next one."""
