@@ -169,7 +169,7 @@ def _staggered(requests: list[Any]) -> list[Any]:
     from kvmetrics.engine.tokens import ExplicitTokens
 
     for i, request in enumerate(requests):
-        ids = list(request.prompt._ids)
+        ids = request.prompt.tokens(0, len(request.prompt))
         request.prompt = ExplicitTokens(ids[:len(ids) - i % 16])
     return requests
 
