@@ -29,7 +29,14 @@ once, in a fresh random order) the steps are neighbours and share that state, an
 swing is multiplicative, so each mode is compared by the log-ratio of its step to the
 ``vllm`` step of the same cycle; the estimate is the 10 %-trimmed mean of those over all
 cycles (trimmed: a step that met an interrupt says nothing about the code), turned back
-into microseconds with the median ``vllm`` step. Its uncertainty comes from batch means
+into microseconds with the median ``vllm`` step. kvmetrics' own steps are split in two:
+on most it does its few inline tests (quiet steps, estimated as above), on a few it
+records the step, reads the gauges and reports its CPU (recorded steps: rare and 50-200
+us dearer, which a trimmed mean would drop as if they were interrupts, though ``vllm
+serve`` runs them); those are taken at their plain mean difference from the ``vllm``
+step of their cycle, and the two parts weighted by their share. The gauge read's
+wall-time floor is stretched by the number of modes, so that it falls on as many
+kvmetrics steps as under ``vllm serve``. Its uncertainty comes from batch means
 (16 consecutive batches of cycles: 95 % interval, t with 15 degrees of freedom), which
 keeps the slow stretches' correlation in. A verdict is given only where that interval
 decides it. The garbage collector is off inside a round (collected while requests are
@@ -102,6 +109,10 @@ class AddedCost:
     #: wrapper's calibrated cost, and the rest (timed every time).
     sampled_us: float = 0.0
     evict_us: float = 0.0
+    #: The share of kvmetrics steps where it did work it times (recorded steps), and
+    #: what those steps measured above the ``vllm`` step of their cycle, per step.
+    busy_share: float = 0.0
+    busy_us: float = 0.0
 
     @property
     def bias(self) -> Estimate:
@@ -119,20 +130,48 @@ def _trimmed_mean(values: list[float]) -> float:
     return statistics.fmean(ordered[cut:len(ordered) - cut])
 
 
+def _interval(centre: float, batches: list[float]) -> Estimate:
+    """``centre`` with a 95 % interval from the spread of per-batch estimates."""
+    if len(batches) < BATCHES:
+        return Estimate(centre, -math.inf, math.inf)
+    half = T95 * statistics.stdev(batches) / math.sqrt(len(batches))
+    return Estimate(centre, centre - half, centre + half)
+
+
+def _batched(values: list[Any]) -> list[list[Any]]:
+    size = len(values) // BATCHES
+    if size < 3:
+        return []
+    return [values[i * size:(i + 1) * size] for i in range(BATCHES)]
+
+
 def estimate(log_ratios: list[float], scale_us: float) -> Estimate:
     """The trimmed mean of per-cycle log-ratios as microseconds on a ``scale_us`` step,
     with a 95 % interval from batch means."""
-    size = len(log_ratios) // BATCHES
 
     def us(r: float) -> float:
         return (math.exp(r) - 1) * scale_us
 
-    centre = _trimmed_mean(log_ratios)
-    if size < 3:
-        return Estimate(us(centre), -math.inf, math.inf)
-    batches = [_trimmed_mean(log_ratios[i * size:(i + 1) * size]) for i in range(BATCHES)]
-    half = T95 * statistics.stdev(batches) / math.sqrt(BATCHES)
-    return Estimate(us(centre), us(centre - half), us(centre + half))
+    return _interval(us(_trimmed_mean(log_ratios)),
+                     [us(_trimmed_mean(b)) for b in _batched(log_ratios)])
+
+
+def _stratified_us(cycles: list[tuple[float, float, bool]], scale_us: float) -> float:
+    """The mean added cost over ``cycles`` of (mode step, ``vllm`` step, busy): the
+    quiet cycles by the trimmed mean of their log-ratios, the busy ones (kvmetrics did
+    its periodic or event work in that step) by their plain mean difference, each
+    weighted by its share. Trimming alone would drop the busy steps, rare and costly,
+    as if they were interrupts: they are part of what ``vllm serve`` runs."""
+    quiet = [math.log(a / b) for a, b, busy in cycles if not busy]
+    busy_us = sum(a - b for a, b, busy in cycles if busy)
+    quiet_us = (math.exp(_trimmed_mean(quiet)) - 1) * scale_us if quiet else 0.0
+    return (len(quiet) * quiet_us + busy_us) / len(cycles)
+
+
+def stratified(cycles: list[tuple[float, float, bool]], scale_us: float) -> Estimate:
+    """:func:`_stratified_us` with a 95 % interval from batch estimates."""
+    return _interval(_stratified_us(cycles, scale_us),
+                     [_stratified_us(b, scale_us) for b in _batched(cycles)])
 
 
 class Switch:
@@ -183,6 +222,10 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
     engine = _vllm_engine(n, True)
     sched = engine.scheduler
     sched.kvmetrics_pipeline = MetricsPipeline([PrometheusSink()], engine_kind="vllm")
+    # The periodic gauge read is due by wall time (0.25 s); kvmetrics runs one step in
+    # len(MODES) here, so its floor is stretched by as much: a read per as many
+    # kvmetrics steps as under ``vllm serve``.
+    sched._kv_read_gap_ns *= len(MODES)
     switch = Switch(sched)
     base = switch.base
 
@@ -213,6 +256,8 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
 
     rng = random.Random(n)
     spent: dict[str, list[float]] = {m: [] for m in MODES}
+    #: Per kvmetrics step: whether kvmetrics did work it times (a recorded step).
+    busy: list[bool] = []
     reported_ns = 0.0
     gc_was_on = gc.isenabled()
     refill()
@@ -236,6 +281,7 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
                     schedule, update = frame_schedule, frame_update
                 else:
                     schedule, update = base.schedule, base.update_from_output
+                timed0 = sched.kvmetrics_cpu_ns + sched._kv_cpu_ns
                 t0 = thread_time_ns()
                 out = schedule(sched)
                 t1 = thread_time_ns()
@@ -244,6 +290,8 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
                 update(sched, out, record.vllm_result)
                 t3 = thread_time_ns()
                 spent[mode].append(((t1 - t0) + (t3 - t2)) / 1e3)
+                if switch.on:
+                    busy.append(sched.kvmetrics_cpu_ns + sched._kv_cpu_ns != timed0)
                 done += 1
         switch.set("kvmetrics")
         reported_ns += (sched.kvmetrics_cpu_seconds - cpu0) * 1e9
@@ -255,14 +303,28 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
     vllm = spent["vllm"]
     scale = statistics.median(vllm)
 
-    def versus(mode: str, against: list[float] = vllm) -> Estimate:
-        return estimate([math.log(a / b) for a, b in zip(spent[mode], against, strict=True)],
-                        scale)
+    def ratios(mode: str) -> list[float]:
+        return [math.log(a / b) for a, b in zip(spent[mode], vllm, strict=True)]
 
-    return AddedCost(n, cycles, scale, versus("control"), versus("stats"), versus("frame"),
-                     versus("kvmetrics"), versus("kvmetrics", spent["stats"]),
-                     reported_ns / 1e3 / cycles, sched._kv_samples.step_ns() / 1e3,
-                     sched._kv_cal.evict_ns * evict_calls / 1e3 / cycles)
+    def versus(mode: str) -> Estimate:
+        return estimate(ratios(mode), scale)
+
+    kv = list(zip(spent["kvmetrics"], vllm, busy, strict=True))
+    added = stratified(kv, scale)
+    stats = versus("stats")
+
+    def stats_us(r: list[float]) -> float:
+        return (math.exp(_trimmed_mean(r)) - 1) * scale
+
+    # Added minus stats, batch by batch (the same cycles on both sides).
+    minus = _interval(added.us - stats.us,
+                      [_stratified_us(k, scale) - stats_us(r) for k, r in
+                       zip(_batched(kv), _batched(ratios("stats")), strict=True)])
+    busy_part = sum(a - b for a, b, was in kv if was) / len(kv)
+    return AddedCost(n, cycles, scale, versus("control"), stats, versus("frame"),
+                     added, minus, reported_ns / 1e3 / cycles, sched._kv_samples.step_ns() / 1e3,
+                     sched._kv_cal.evict_ns * evict_calls / 1e3 / cycles,
+                     sum(busy) / len(busy), busy_part)
 
 
 def rows(quick: bool = False) -> list[Any]:
@@ -294,6 +356,9 @@ def rows(quick: bool = False) -> list[Any]:
                 "< 0" if below is not None else "< 0 (not resolved: the CI holds 0)", below),
             Row("kvmetrics added cost share", case, 100 * c.added.us / c.vllm_us,
                 "% of vLLM's scheduler CPU"),
+            Row("recorded steps (kvmetrics timed work), measured", case, c.busy_us,
+                f"us/step over all kvmetrics steps ({100 * c.busy_share:.2f} % of them; "
+                f"the counter's timed part: {c.reported_us - c.sampled_us - c.evict_us:.2f})"),
             Row("kvmetrics self-reported CPU", case, c.reported_us,
                 f"us/step (quiet step sampled {c.sampled_us:.2f}, eviction wrapper "
                 f"{c.evict_us:.2f}, timed {c.reported_us - c.sampled_us - c.evict_us:.2f})"),
