@@ -12,6 +12,7 @@ Nothing here may raise into vLLM: a fault is counted and logged once per hook
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -76,6 +77,9 @@ class EventHooks:
     def _kv_hook_failed(self, hook: str) -> None:
         """A hook raised: count it on the endpoint, log its first fault (with traceback)."""
         self._kv_errors[hook] = self._kv_errors.get(hook, 0) + 1
+        # Reported with this step (a broken recorder: the override records anyway).
+        with contextlib.suppress(Exception):
+            self._kv.must_record = True
         if hook not in self._kv_logged:
             self._kv_logged.add(hook)
             log.exception("kvmetrics hook %s failed; metrics may be incomplete", hook)
@@ -127,8 +131,7 @@ class EventHooks:
 
     @_guarded("scheduler._handle_invalid_blocks")
     def _kv_recovery_time(self, seconds: float) -> None:
-        ev = self._kv.events
-        ev.recovery_seconds = (ev.recovery_seconds or 0.0) + seconds
+        self._kv.recovery_time(seconds)
 
     def _update_requests_with_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
         hook = "scheduler._update_requests_with_invalid_blocks"

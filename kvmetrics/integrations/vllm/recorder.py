@@ -52,10 +52,30 @@ class AsyncLoad:
 
 
 class StepRecorder:
-    """Accumulates one step's events; the scheduler flushes them after each output."""
+    """Accumulates one step's events; the scheduler flushes them after each output.
+
+    Three flags tell the scheduler's two overrides, on every step, whether there is
+    anything for them to do (``schedule_work``: ``new_loads`` or ``redo`` non-empty;
+    ``output_work``: ``sync_loads`` or ``async_loads`` non-empty; ``must_record``: the
+    step has events or a hook fault). They are kept by every method that changes what
+    they stand for, so a quiet step reads three words of this one object instead of
+    four containers and the event lists (cold in memory after vLLM's own step). The
+    scheduler checks ``must_record`` against the events whenever it records a step
+    (``step_end``), so a path that forgot to set it is counted, not silent.
+    """
+
+    # Slots, the flags and the eviction tallies first: the words read or written on
+    # every step lie together, in the object itself.
+    __slots__ = ("schedule_work", "output_work", "must_record", "evict_calls", "evicted_n",
+                 "evicted_any", "events", "block_size", "policy", "has_connector",
+                 "schedule_hooked", "requests", "evictions", "evict_cause", "new_loads",
+                 "sync_loads", "async_loads", "redo")
 
     def __init__(self, block_size: int, policy: str, has_connector: bool,
                  schedule_hooked: bool = True) -> None:
+        self.schedule_work = False
+        self.output_work = False
+        self.must_record = False
         self.block_size = block_size
         self.policy = policy
         self.has_connector = has_connector
@@ -106,6 +126,7 @@ class StepRecorder:
         admission = "first" if track.lookups == 0 else "repeat"
         track.lookups += 1
         ev = self.events
+        self.must_record = True
         ev.prefix_lookup("local", admission, num_tokens, local_hit, request_id)
         if self.has_connector:
             ev.prefix_lookup("external", admission, num_tokens - local_hit, ext, request_id)
@@ -118,6 +139,7 @@ class StepRecorder:
             bs = self.block_size
             first, end = local_hit // bs, -(-(local_hit + ext) // bs)
             self.new_loads.append((request_id, block_ids[first:end]))
+            self.schedule_work = True
 
     def scheduled(self, output_key: int, num_scheduled: dict[str, int],
                   computed_after: Callable[[str], int], async_admitted: set[str]) -> None:
@@ -136,6 +158,8 @@ class StepRecorder:
         self.new_loads = []
         if sync:
             self.sync_loads[output_key] = sync
+        self.output_work = bool(self.sync_loads or self.async_loads)
+        self.schedule_work = bool(self.redo)
         if not self.redo:
             return
         for rid, track in list(self.redo.items()):
@@ -149,8 +173,10 @@ class StepRecorder:
                 split = min(max(track.kv_failure_until, c), redo_end)
                 self.events.recomputed("kv_load_failure", split - c, rid)
                 self.events.recomputed("preemption", redo_end - split, rid)
+                self.must_record = True
             if end >= track.high_water:
                 del self.redo[rid]
+        self.schedule_work = bool(self.redo)
 
     # -- output ---------------------------------------------------------------------
 
@@ -164,9 +190,11 @@ class StepRecorder:
         it counts nothing more.
         """
         ev = self.events
+        counted = False
         for block_ids in self.sync_loads.pop(output_key, ()):
             failed = sum(1 for b in block_ids if b in invalid)
             ev.loaded_blocks("sync", len(block_ids) - failed, failed)
+            counted = True
         if invalid:
             for load in self.async_loads.values():
                 load.failed.update(load.block_ids & invalid)
@@ -174,16 +202,22 @@ class StepRecorder:
             load = self.async_loads.pop(rid, None)
             if load is not None:
                 ev.loaded_blocks("async", 0, len(load.block_ids))
+                counted = True
         for rid in finished_recving:
             load = self.async_loads.pop(rid, None)
             if load is not None:
                 failed = len(load.failed)
                 ev.loaded_blocks("async", len(load.block_ids) - failed, failed)
+                counted = True
+        if counted:
+            self.must_record = True
+        self.output_work = bool(self.sync_loads or self.async_loads)
 
     def rolled_back(self, mode: str, request_id: str, before: int, after: int,
                     num_scheduled: int) -> None:
         """One request truncated by the recovery path (reference: ``_truncate``)."""
         ev = self.events
+        self.must_record = True
         ev.rolled_back(mode, self.policy, request_id, before, after)
         action = "failed" if self.policy == "fail" else "rescheduled"
         ev.failed_load_request(mode, self.policy, action, request_id)
@@ -194,20 +228,25 @@ class StepRecorder:
         track.high_water = max(track.high_water, before + num_scheduled)
         if self.schedule_hooked:
             self.redo[request_id] = track
+            self.schedule_work = True
 
     def preempted(self, request_id: str, computed_before: int) -> None:
+        self.must_record = True
         self.events.preempted(request_id)
         track = self.track(request_id)
         track.kv_failure_until = 0
         track.high_water = max(track.high_water, computed_before)
         if self.schedule_hooked:
             self.redo[request_id] = track
+            self.schedule_work = True
 
     def finished(self, request_id: str, status_name: str) -> None:
+        self.must_record = True
         self.events.finished(FINISH_REASONS.get(status_name, "stopped"), request_id)
         self.requests.pop(request_id, None)
         self.redo.pop(request_id, None)
         self.new_loads = [(r, b) for r, b in self.new_loads if r != request_id]
+        self.schedule_work = bool(self.new_loads or self.redo)
 
     def evicted(self, n: int = 1, cause: str | None = None) -> None:
         self.evictions[cause or self.evict_cause] += n
@@ -225,7 +264,14 @@ class StepRecorder:
         self.evict_cause = cause
 
     def merge_events(self, events: StepEvents) -> None:
+        self.must_record = True
         self.events.merge(events)
+
+    def recovery_time(self, seconds: float) -> None:
+        """Time spent in vLLM's recovery path this step."""
+        ev = self.events
+        self.must_record = True
+        ev.recovery_seconds = (ev.recovery_seconds or 0.0) + seconds
 
     def take_step(self, step: int) -> StepEvents:
         """The finished step's events; a fresh accumulator starts for the next one."""
@@ -239,4 +285,5 @@ class StepRecorder:
                     events.evicted(cause, n)
                     self.evictions[cause] = 0
         self.events = StepEvents(step=step + 1)
+        self.must_record = False
         return events

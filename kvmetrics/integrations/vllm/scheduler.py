@@ -74,8 +74,11 @@ from kvmetrics.metrics.pipeline import MetricsPipeline
 log = logging.getLogger(LOGGER)
 
 _OUTPUT_HOOK = "scheduler.update_from_output"
-_SAMPLE_MASK = owncost.SAMPLE_EVERY - 1
-_SAMPLE_PHASE = owncost.SAMPLE_PHASE
+# The overrides test the step count against literals (a constant is read from the code
+# object, a module global from the module's dict: one cold cache line fewer per step).
+if (owncost.SAMPLE_EVERY, owncost.SAMPLE_PHASE, GAUGE_EVERY) != (64, 20, 32):
+    raise ImportError("kvmetrics: the literals in InstrumentedMixin's overrides "
+                      "(63, 20, 32) no longer match owncost and step_end")
 
 
 class InstrumentedMixin(StepEnd, EventHooks):
@@ -101,6 +104,15 @@ class InstrumentedMixin(StepEnd, EventHooks):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        # The attributes the two overrides read on every step, set first and together:
+        # vLLM's scheduler has too many attributes for a shared-key dict, and entries
+        # inserted together share the dict's cache lines (their values are set below).
+        self._kv_next_schedule: Any = None
+        self._kv: StepRecorder = None  # type: ignore[assignment]
+        self._kv_step = 0
+        self._kv_output_off = False
+        self._kv_next_update: Any = None
+        self.kvmetrics_pipeline = None
         me: Any = self
         check_setting_keys(me.vllm_config)  # a misspelt setting stops startup, on purpose
         # Set by ProtectMixin when the fix is in the class; read here otherwise.
@@ -116,9 +128,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
         self._kv_cpu_ns: float = 0
         self.kvmetrics_cpu_ns: float = 0
         self._kv_ready: list[StepEvents] = []
-        self._kv_step = 0
         self.kvmetrics_exporter = None
-        self.kvmetrics_pipeline = None
         #: Hook name -> why it is out (missing, changed signature); set at construction.
         self.kvmetrics_broken_hooks: dict[str, str] = {}
         self._kv_disabled: frozenset[str] = frozenset()
@@ -226,12 +236,11 @@ class InstrumentedMixin(StepEnd, EventHooks):
         else:
             out = vllm_schedule(self)  # the usual call, without re-packing arguments
         # One step in 64 the inline part is timed in place (owncost, part 2).
-        sampled = self._kv_step & _SAMPLE_MASK == _SAMPLE_PHASE
+        sampled = self._kv_step & 63 == 20  # owncost.SAMPLE_EVERY, SAMPLE_PHASE
         if sampled:
             t0 = perf_counter_ns()
-        kv = self._kv
         try:
-            pending = kv.new_loads or kv.redo  # else scheduled() finds nothing
+            pending = self._kv.schedule_work  # else scheduled() finds nothing
         except Exception:
             pending = True  # the guarded hook meets the fault and counts it
         if sampled:
@@ -243,12 +252,12 @@ class InstrumentedMixin(StepEnd, EventHooks):
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         if self._kv_output_off:
             return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        sampled = self._kv_step & _SAMPLE_MASK == _SAMPLE_PHASE
+        sampled = self._kv_step & 63 == 20  # owncost.SAMPLE_EVERY, SAMPLE_PHASE
         if sampled:
             t0 = perf_counter_ns()
         kv = self._kv
         try:
-            pending = kv.sync_loads or kv.async_loads  # else loads_done() finds nothing
+            pending = kv.output_work  # else loads_done() finds nothing
         except Exception:
             pending = True
         if sampled:
@@ -264,18 +273,13 @@ class InstrumentedMixin(StepEnd, EventHooks):
             t1 = perf_counter_ns()
         step = self._kv_step = self._kv_step + 1
         try:
-            ev = kv.events
-            eventless = (self.kvmetrics_pipeline is not None and not self._kv_errors
-                         and not (ev.increments or ev.rollbacks or ev.discarded_tokens
-                                  or ev.recovery_seconds is not None or ev.gauges is not None
-                                  or ev.pool is not None))
+            # Nothing to record: no event, no hook fault, and a pipeline to skip it for.
+            eventless = not kv.must_record and self.kvmetrics_pipeline is not None
         except Exception:
             eventless = False  # the full path below meets the fault and counts it
         if sampled:
             self._kv_sampled(1, t0 + perf_counter_ns() - t1, 2)
-        if eventless and step % GAUGE_EVERY:
-            ev.step = step + 1  # nothing happened: nothing to record
-        else:
+        if not eventless or not step % 32:  # step_end.GAUGE_EVERY
             self._kv_end_step(step, eventless)
         return result
 

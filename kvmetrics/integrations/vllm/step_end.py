@@ -128,15 +128,16 @@ class StepEnd:
         now = monotonic_ns()
         periodic = now >= self._kv_read_next_ns
         if eventless and not periodic:
-            self._kv.events.step = step + 1  # not due yet: nothing to record
-            return
+            return  # not due yet: nothing to record
         start = thread_time_ns()
         try:
-            self._kv_end_step_timed(step, periodic, now)
+            self._kv_end_step_timed(step, periodic, now, eventless)
         finally:
             self._kv_timed(thread_time_ns() - start)
 
-    def _kv_end_step_timed(self, step: int, periodic: bool, now: int) -> None:
+    def _kv_end_step_timed(self, step: int, periodic: bool, now: int, eventless: bool) -> None:
+        if eventless:
+            self._kv_check_flag()
         try:
             events = self._kv.take_step(step)
         except Exception:
@@ -159,6 +160,20 @@ class StepEnd:
                 self.kvmetrics_cpu_ns += spent
                 events.count(cat.INSTRUMENTATION_CPU, spent / 1e9)
         self._kv_record(events)
+
+    def _kv_check_flag(self) -> None:
+        """A step the recorder's ``must_record`` flag called quiet must hold no event and
+        no fault: otherwise a path of the recorder forgot to set it, and those events
+        would have waited for this periodic step. Counted as a fault of the output hook,
+        so the drift shows on the endpoint."""
+        try:
+            ev = self._kv.events
+            if (ev.increments or ev.rollbacks or ev.discarded_tokens
+                    or ev.recovery_seconds is not None or self._kv_errors):
+                raise RuntimeError("kvmetrics: a step with events was not flagged for "
+                                   "recording (StepRecorder.must_record)")
+        except Exception:
+            self._kv_hook_failed(_OUTPUT_HOOK)
 
     def _kv_record(self, events: StepEvents) -> None:
         """Hand a step's events on: counters of disabled hooks out, hook faults in."""
