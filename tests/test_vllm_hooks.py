@@ -324,3 +324,36 @@ def test_a_quiet_step_sample_loses_its_clock_reads_and_interruptions(
     samples.add(1, owncost.SAMPLE_MAX_NS + 500, 2)  # descheduled inside: dropped
     assert (samples.sums, samples.counts, samples.dropped) == ([1_000, 2_500], [1, 1], 1)
     assert samples.step_ns() == 3_500
+
+
+def test_the_eviction_counter_counts_and_passes_every_call_form_through() -> None:
+    """vLLM's ``(self, block)`` gets the lean wrapper (the function called with the pool:
+    no argument packing), any other signature the general one; both count every call and
+    every evicted block, and hand vLLM's result back."""
+    from kvmetrics.integrations.vllm.helper_hooks import eviction_counter
+
+    class Tally:
+        evict_calls = evicted_n = 0
+
+    class Pool:
+        def _maybe_evict_cached_block(self, block):  # noqa: ANN001, ANN202
+            self.seen = block
+            return block % 2 == 0
+
+    class NewerPool:
+        def _maybe_evict_cached_block(self, block, *, reason="alloc"):  # noqa: ANN001, ANN202
+            self.seen = (block, reason)
+            return True
+
+    faults: list[str] = []
+    pool, tally = Pool(), Tally()
+    lean = eviction_counter(pool._maybe_evict_cached_block, tally, faults.append)
+    assert lean.__code__.co_argcount == 1 and not lean.__code__.co_flags & 0x0C
+    assert [lean(b) for b in range(5)] == [True, False, True, False, True]
+    assert lean(block=7) is False and pool.seen == 7
+    newer, tally2 = NewerPool(), Tally()
+    general = eviction_counter(newer._maybe_evict_cached_block, tally2, faults.append)
+    assert general(3, reason="test") is True and newer.seen == (3, "test")
+    assert (tally.evict_calls, tally.evicted_n, tally2.evict_calls, tally2.evicted_n) == \
+        (6, 3, 1, 1)
+    assert faults == []
