@@ -15,10 +15,11 @@ scheduler adds to vLLM's. It has three parts:
    and a warm loop measures them several times too cheap: in a real step kvmetrics'
    objects are cold after vLLM's own work (measured 3-4 us in place against 0.6 us warm
    on the VM of ``docs/benchmarks.md``). So on one step in :data:`SAMPLE_EVERY` (a fixed
-   phase that never meets the periodic work, which is timed) the same inline code runs
-   between two reads of the monotonic clock (``perf_counter_ns``, a vDSO read of tens of
-   nanoseconds, not a system call), less one read measured right there
-   (:class:`QuietSamples`). Each step is charged the mean of the samples so far: a
+   phase that never meets the periodic work, which is timed) the same inline code is
+   timed with the monotonic clock (``perf_counter_ns``, a vDSO read of tens of
+   nanoseconds, not a system call): from just after the step count is read to the end of
+   the override, in intervals that leave out vLLM's own method and the hooks timed on
+   their own, each less one read measured right there (:class:`QuietSamples`). Each step is charged the mean of the samples so far: a
    systematic 1-in-64 sample of the same code, unbiased as long as the quiet step's
    cost does not vary with a 64-step period. A sample over :data:`SAMPLE_MAX_NS` had
    the thread descheduled or interrupted inside it (a wall clock sees that) and is
@@ -29,8 +30,10 @@ scheduler adds to vLLM's. It has three parts:
    wrapper in a tight loop against the function it wraps).
 
 What it cannot see: what kvmetrics costs inside vLLM's own code (vLLM's method reached
-through one more frame, the cache lines kvmetrics' code and data take from vLLM's), and
-the test that decides whether a step is sampled. ``benchmarks/vllm_added_cost.py``
+through one more frame, the cache lines kvmetrics' code and data take from vLLM's), the
+call of each override itself (its frame and argument tuple, built before its first
+line runs) and the step-count test that decides whether a step is sampled, which is
+the first touch of the scheduler's state after vLLM's step. ``benchmarks/vllm_added_cost.py``
 measures the whole added cost and compares it with this estimate.
 """
 

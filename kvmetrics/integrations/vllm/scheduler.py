@@ -230,13 +230,19 @@ class InstrumentedMixin(StepEnd, EventHooks):
     # -- the two overrides of every step -----------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        vllm_schedule = self._kv_next_schedule
-        if vllm_schedule is None or args or kwargs:
-            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        else:
-            out = vllm_schedule(self)  # the usual call, without re-packing arguments
-        # One step in 64 the inline part is timed in place (owncost, part 2).
+        # One step in 64 the inline part is timed in place (owncost, part 2), from the
+        # first read of kvmetrics' state after the step count to the last, vLLM's
+        # method and the hooks timed on their own left out.
         sampled = self._kv_step & 63 == 20  # owncost.SAMPLE_EVERY, SAMPLE_PHASE
+        if sampled:
+            t0 = perf_counter_ns()
+        vllm_schedule = self._kv_next_schedule
+        usual = vllm_schedule is not None and not args and not kwargs
+        if sampled:
+            own = perf_counter_ns() - t0
+        # The usual call without re-packing arguments; any other through super().
+        out = (vllm_schedule(self) if usual
+               else super().schedule(*args, **kwargs))  # type: ignore[misc]
         if sampled:
             t0 = perf_counter_ns()
         try:
@@ -244,33 +250,38 @@ class InstrumentedMixin(StepEnd, EventHooks):
         except Exception:
             pending = True  # the guarded hook meets the fault and counts it
         if sampled:
-            self._kv_sampled(0, perf_counter_ns() - t0, 1)
+            self._kv_sampled(0, own + perf_counter_ns() - t0, 2)
         if pending:
             self._kv_after_schedule(out)
         return out
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        if self._kv_output_off:
-            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        sampled = self._kv_step & 63 == 20  # owncost.SAMPLE_EVERY, SAMPLE_PHASE
+        sampled = self._kv_step & 63 == 20  # as in schedule()
         if sampled:
             t0 = perf_counter_ns()
+        if self._kv_output_off:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
         kv = self._kv
         try:
             pending = kv.output_work  # else loads_done() finds nothing
         except Exception:
             pending = True
         if sampled:
-            t0 = perf_counter_ns() - t0
+            own = perf_counter_ns() - t0
         if pending:
-            self._kv_before_output(args, kwargs)
+            self._kv_before_output(args, kwargs)  # timed on its own
+        if sampled:
+            t0 = perf_counter_ns()
         vllm_update = self._kv_next_update
-        if vllm_update is not None and len(args) == 2 and not kwargs:
+        usual = vllm_update is not None and len(args) == 2 and not kwargs
+        if sampled:
+            own += perf_counter_ns() - t0
+        if usual:
             result = vllm_update(self, args[0], args[1])
         else:
             result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
         if sampled:
-            t1 = perf_counter_ns()
+            t0 = perf_counter_ns()
         step = self._kv_step = self._kv_step + 1
         try:
             # Nothing to record: no event, no hook fault, and a pipeline to skip it for.
@@ -278,7 +289,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
         except Exception:
             eventless = False  # the full path below meets the fault and counts it
         if sampled:
-            self._kv_sampled(1, t0 + perf_counter_ns() - t1, 2)
+            self._kv_sampled(1, own + perf_counter_ns() - t0, 3)
         if not eventless or not step % 32:  # step_end.GAUGE_EVERY
             self._kv_end_step(step, eventless)
         return result
