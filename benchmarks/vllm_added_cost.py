@@ -17,7 +17,13 @@ between code paths step by step, the modes taking turns within every cycle:
   (the issue saw the same step cost 12-14 % more at one particular call depth);
 - ``kvmetrics``: the instrumented class, wrappers on, ``log_stats`` off, recording into
   a pipeline with a Prometheus sink from inside ``update_from_output()`` (as under
-  ``vllm serve``, where the scheduler owns its exporter): everything kvmetrics adds.
+  ``vllm serve``, where the scheduler owns its exporter): everything kvmetrics adds;
+- ``vllm-inner`` and ``kvmetrics-inner``: ``vllm`` and ``kvmetrics`` again, with vLLM's
+  two methods reached through the same pair of timing functions (thread CPU time read
+  around each, from inside): the difference of the inner times is what kvmetrics costs
+  inside vLLM's methods (vLLM's own code made slower by it, the eviction wrapper that
+  runs in ``schedule()``), the rest what it costs outside them (the overrides). This
+  splits the added cost by what the exported counter can time and what it cannot.
 
 Each step's cost is this thread's CPU time in ``schedule()`` plus ``update_from_output()``
 (the model runner's part is not timed: it is the same in every mode).
@@ -60,7 +66,11 @@ from dataclasses import dataclass
 from time import thread_time_ns
 from typing import Any
 
-MODES = ("vllm", "control", "stats", "frame", "kvmetrics")
+MODES = ("vllm", "control", "stats", "frame", "kvmetrics", "vllm-inner", "kvmetrics-inner")
+#: The two modes that also time vLLM's own methods from inside (the split of the cost).
+INNER = ("vllm-inner", "kvmetrics-inner")
+#: The modes that run kvmetrics (its counter and the gauge cadence are shared by both).
+KVMETRICS = ("kvmetrics", "kvmetrics-inner")
 #: Wrapped helper methods, by the helper object that holds them.
 WRAPPED = {"kv_cache_manager": ("record_prefix_cache_stats", "evict_blocks",
                                 "reset_prefix_cache"),
@@ -109,19 +119,37 @@ class AddedCost:
     #: wrapper's calibrated cost, and the rest (timed every time).
     sampled_us: float = 0.0
     evict_us: float = 0.0
+    timed_us: float = 0.0
     #: The share of kvmetrics steps where it did work it times (recorded steps), and
     #: what those steps measured above the ``vllm`` step of their cycle, per step.
     busy_share: float = 0.0
     busy_us: float = 0.0
+    #: The added cost split (the ``-inner`` modes): inside vLLM's two methods (vLLM's
+    #: own code made slower, and the eviction wrapper that runs in it) and outside them
+    #: (the overrides' own code and calls).
+    inside: Estimate | None = None
+    outside: Estimate | None = None
 
     @property
     def bias(self) -> Estimate:
         """The counter against the added cost, as a fraction (interval from the added
         cost's; the counter's own spread is far smaller)."""
-        def b(added: float) -> float:
-            return self.reported_us / added - 1 if added > 0 else math.inf
-        lo, hi = sorted((b(self.added.high), b(self.added.low)))
-        return Estimate(b(self.added.us), lo, hi)
+        return _bias(self.reported_us, self.added)
+
+    @property
+    def outside_bias(self) -> Estimate:
+        """The counter's parts outside vLLM's methods against the part measured there."""
+        if self.outside is None:
+            return Estimate(math.nan, math.nan, math.nan)
+        return _bias(self.reported_us - self.evict_us, self.outside)
+
+
+def _bias(reported: float, measured: Estimate) -> Estimate:
+    def b(value: float) -> float:
+        return reported / value - 1 if value > 0 else math.inf
+
+    lo, hi = sorted((b(measured.high), b(measured.low)))
+    return Estimate(b(measured.us), lo, hi)
 
 
 def _trimmed_mean(values: list[float]) -> float:
@@ -156,19 +184,24 @@ def estimate(log_ratios: list[float], scale_us: float) -> Estimate:
                      [us(_trimmed_mean(b)) for b in _batched(log_ratios)])
 
 
-def _stratified_us(cycles: list[tuple[float, float, bool]], scale_us: float) -> float:
-    """The mean added cost over ``cycles`` of (mode step, ``vllm`` step, busy): the
-    quiet cycles by the trimmed mean of their log-ratios, the busy ones (kvmetrics did
-    its periodic or event work in that step) by their plain mean difference, each
-    weighted by its share. Trimming alone would drop the busy steps, rare and costly,
-    as if they were interrupts: they are part of what ``vllm serve`` runs."""
-    quiet = [math.log(a / b) for a, b, busy in cycles if not busy]
+def _stratified_us(cycles: list[tuple[float, float, bool]], scale_us: float | None) -> float:
+    """The mean added cost over ``cycles`` of (mode step, reference step, busy): the
+    quiet cycles by the trimmed mean of their log-ratios on a ``scale_us`` step (or, with
+    None, of their differences: for small parts whose spread is not multiplicative),
+    the busy ones (kvmetrics did its periodic or event work in that step) by their plain
+    mean difference, each weighted by its share. Trimming alone would drop the busy
+    steps, rare and costly, as if they were interrupts: ``vllm serve`` runs them."""
     busy_us = sum(a - b for a, b, busy in cycles if busy)
-    quiet_us = (math.exp(_trimmed_mean(quiet)) - 1) * scale_us if quiet else 0.0
+    if scale_us is None:
+        quiet = [a - b for a, b, busy in cycles if not busy]
+        quiet_us = _trimmed_mean(quiet) if quiet else 0.0
+    else:
+        quiet = [math.log(a / b) for a, b, busy in cycles if not busy]
+        quiet_us = (math.exp(_trimmed_mean(quiet)) - 1) * scale_us if quiet else 0.0
     return (len(quiet) * quiet_us + busy_us) / len(cycles)
 
 
-def stratified(cycles: list[tuple[float, float, bool]], scale_us: float) -> Estimate:
+def stratified(cycles: list[tuple[float, float, bool]], scale_us: float | None) -> Estimate:
     """:func:`_stratified_us` with a 95 % interval from batch estimates."""
     return _interval(_stratified_us(cycles, scale_us),
                      [_stratified_us(b, scale_us) for b in _batched(cycles)])
@@ -193,7 +226,7 @@ class Switch:
 
     def set(self, mode: str) -> None:
         sched = self.sched
-        on = self.on = mode == "kvmetrics"
+        on = self.on = mode in KVMETRICS
         sched.log_stats = mode == "stats"
         for (holder, name), fn in self.wrappers.items():
             obj = self.holders[holder].__dict__
@@ -222,10 +255,10 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
     engine = _vllm_engine(n, True)
     sched = engine.scheduler
     sched.kvmetrics_pipeline = MetricsPipeline([PrometheusSink()], engine_kind="vllm")
-    # The periodic gauge read is due by wall time (0.25 s); kvmetrics runs one step in
+    # The periodic gauge read is due by wall time (0.25 s); kvmetrics runs two steps in
     # len(MODES) here, so its floor is stretched by as much: a read per as many
     # kvmetrics steps as under ``vllm serve``.
-    sched._kv_read_gap_ns *= len(MODES)
+    sched._kv_read_gap_ns = round(sched._kv_read_gap_ns * len(MODES) / len(KVMETRICS))
     switch = Switch(sched)
     base = switch.base
 
@@ -237,11 +270,45 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
     def frame_update(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         return base.update_from_output(self, scheduler_output, model_runner_output)
 
+    # vLLM's two methods timed from inside, the same way in both -inner modes: vLLM
+    # called through these, or kvmetrics' overrides calling these instead of vLLM's.
+    inside_ns = [0]
+
+    def inner_schedule(self: Any) -> Any:
+        t0 = thread_time_ns()
+        out = base.schedule(self)
+        inside_ns[0] = thread_time_ns() - t0
+        return out
+
+    def inner_update(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
+        t0 = thread_time_ns()
+        out = base.update_from_output(self, scheduler_output, model_runner_output)
+        inside_ns[0] += thread_time_ns() - t0
+        return out
+
+    # The counter's timed part, summed as it is counted (outside the refills).
+    timed_ns = [0.0]
+    counted_timed = sched._kv_timed
+
+    def counting_timed(ns: int) -> None:
+        if measuring:
+            timed_ns[0] += ns + sched._kv_clock_ns
+        counted_timed(ns)
+
+    sched._kv_timed = counting_timed
+    measuring = False
+
+    next_functions = (sched._kv_next_schedule, sched._kv_next_update)
+    if next_functions != (base.schedule, base.update_from_output):
+        raise RuntimeError("the benchmark expects kvmetrics' overrides to call vLLM's "
+                           "methods directly (the protective mode off)")
+
     generation = 0
     done = 0
 
     def refill() -> None:
-        nonlocal generation, done
+        nonlocal generation, done, measuring
+        measuring = False
         switch.set("kvmetrics")
         for rid in list(sched.requests):
             engine.abort(rid)
@@ -253,11 +320,13 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
             engine.step()  # prefill, untimed
         gc.collect()
         done = 0
+        measuring = True
 
     rng = random.Random(n)
     spent: dict[str, list[float]] = {m: [] for m in MODES}
-    #: Per kvmetrics step: whether kvmetrics did work it times (a recorded step).
-    busy: list[bool] = []
+    inside: dict[str, list[float]] = {m: [] for m in INNER}
+    #: Per kvmetrics step (each kvmetrics mode): whether kvmetrics did work it times.
+    busy: dict[str, list[bool]] = {m: [] for m in KVMETRICS}
     reported_ns = 0.0
     gc_was_on = gc.isenabled()
     refill()
@@ -275,10 +344,16 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
             # equally often (a step's cost depends a little on the one before).
             for mode in rng.sample(MODES, len(MODES)):
                 switch.set(mode)
+                if mode == "kvmetrics-inner":
+                    sched._kv_next_schedule, sched._kv_next_update = inner_schedule, inner_update
+                elif switch.on:
+                    sched._kv_next_schedule, sched._kv_next_update = next_functions
                 if switch.on:
                     schedule, update = type(sched).schedule, type(sched).update_from_output
                 elif mode == "frame":
                     schedule, update = frame_schedule, frame_update
+                elif mode == "vllm-inner":
+                    schedule, update = inner_schedule, inner_update
                 else:
                     schedule, update = base.schedule, base.update_from_output
                 timed0 = sched.kvmetrics_cpu_ns + sched._kv_cpu_ns
@@ -291,9 +366,13 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
                 t3 = thread_time_ns()
                 spent[mode].append(((t1 - t0) + (t3 - t2)) / 1e3)
                 if switch.on:
-                    busy.append(sched.kvmetrics_cpu_ns + sched._kv_cpu_ns != timed0)
+                    busy[mode].append(sched.kvmetrics_cpu_ns + sched._kv_cpu_ns != timed0)
+                if mode in inside:
+                    inside[mode].append(inside_ns[0] / 1e3)
                 done += 1
         switch.set("kvmetrics")
+        measuring = False
+        sched._kv_next_schedule, sched._kv_next_update = next_functions
         reported_ns += (sched.kvmetrics_cpu_seconds - cpu0) * 1e9
         evict_calls += sched._kv.evict_calls - calls0
     finally:
@@ -309,7 +388,7 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
     def versus(mode: str) -> Estimate:
         return estimate(ratios(mode), scale)
 
-    kv = list(zip(spent["kvmetrics"], vllm, busy, strict=True))
+    kv = list(zip(spent["kvmetrics"], vllm, busy["kvmetrics"], strict=True))
     added = stratified(kv, scale)
     stats = versus("stats")
 
@@ -321,10 +400,23 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
                       [_stratified_us(k, scale) - stats_us(r) for k, r in
                        zip(_batched(kv), _batched(ratios("stats")), strict=True)])
     busy_part = sum(a - b for a, b, was in kv if was) / len(kv)
+    # The split: vLLM's methods timed from inside in both -inner modes, and the rest of
+    # each step (the overrides, and the same two timing frames on both sides).
+    in_kv, in_vllm = inside["kvmetrics-inner"], inside["vllm-inner"]
+    inner_busy = busy["kvmetrics-inner"]
+    inside_est = stratified(list(zip(in_kv, in_vllm, inner_busy, strict=True)),
+                            statistics.median(in_vllm))
+    outside_est = stratified(
+        [(ka - ki, va - vi, b) for ka, ki, va, vi, b in
+         zip(spent["kvmetrics-inner"], in_kv, spent["vllm-inner"], in_vllm, inner_busy,
+             strict=True)], None)
     return AddedCost(n, cycles, scale, versus("control"), stats, versus("frame"),
-                     added, minus, reported_ns / 1e3 / cycles, sched._kv_samples.step_ns() / 1e3,
-                     sched._kv_cal.evict_ns * evict_calls / 1e3 / cycles,
-                     sum(busy) / len(busy), busy_part)
+                     # (the counter, and the wrapper's calls, run in both kvmetrics modes)
+                     added, minus, reported_ns / 1e3 / cycles / len(KVMETRICS),
+                     sched._kv_samples.step_ns() / 1e3,
+                     sched._kv_cal.evict_ns * evict_calls / 1e3 / cycles / len(KVMETRICS),
+                     timed_ns[0] / 1e3 / cycles / len(KVMETRICS),
+                     sum(busy["kvmetrics"]) / cycles, busy_part, inside_est, outside_est)
 
 
 def rows(quick: bool = False) -> list[Any]:
@@ -358,10 +450,21 @@ def rows(quick: bool = False) -> list[Any]:
                 "% of vLLM's scheduler CPU"),
             Row("recorded steps (kvmetrics timed work), measured", case, c.busy_us,
                 f"us/step over all kvmetrics steps ({100 * c.busy_share:.2f} % of them; "
-                f"the counter's timed part: {c.reported_us - c.sampled_us - c.evict_us:.2f})"),
+                f"the counter's timed part: {c.timed_us:.2f})"),
+            Row("  of which inside vLLM's methods", case, c.inside.us if c.inside else math.nan,
+                (c.inside.text() if c.inside else "") + " (vLLM's own code slower with "
+                "kvmetrics on, and the eviction wrapper that runs in it)"),
+            Row("  of which outside them", case, c.outside.us if c.outside else math.nan,
+                (c.outside.text() if c.outside else "") + " (the overrides: their code, "
+                "calls, and the recorded steps)"),
             Row("kvmetrics self-reported CPU", case, c.reported_us,
-                f"us/step (quiet step sampled {c.sampled_us:.2f}, eviction wrapper "
-                f"{c.evict_us:.2f}, timed {c.reported_us - c.sampled_us - c.evict_us:.2f})"),
+                f"us/step (quiet steps {c.reported_us - c.evict_us - c.timed_us:.2f} at "
+                f"{c.sampled_us:.2f} sampled at the end, eviction wrapper {c.evict_us:.2f}, "
+                f"timed {c.timed_us:.2f})"),
+            Row("self-reported (less eviction wrapper) vs the part outside", case,
+                100 * c.outside_bias.us,
+                f"% (95 % CI {100 * c.outside_bias.low:.0f}..{100 * c.outside_bias.high:.0f}: "
+                "how well the counter times the code it can time)"),
             Row("self-reported vs added (bias)", case, 100 * bias.us,
                 f"% (95 % CI {100 * bias.low:.0f}..{100 * bias.high:.0f})",
                 "within +-20%" if within is not None else "within +-20% (not resolved)",
