@@ -13,21 +13,23 @@ scheduler adds to vLLM's. It has three parts:
    overrides vLLM calls (``schedule``, ``update_from_output``) do the same few attribute
    tests and integer updates. Timing them on every step would cost more than they do,
    and a warm loop measures them several times too cheap: in a real step kvmetrics'
-   objects are cold after vLLM's own work (measured 3-4 us in place against 0.6 us warm
+   objects are cold after vLLM's own work (measured 1.5-3.4 us in place against 0.6 warm
    on the VM of ``docs/benchmarks.md``). So on one step in :data:`SAMPLE_EVERY` (a fixed
    phase that never meets the periodic work, which is timed) the same inline code is
    timed with the monotonic clock (``perf_counter_ns``, a vDSO read of tens of
    nanoseconds, not a system call): from just after the step count is read to the end of
    the override, in intervals that leave out vLLM's own method and the hooks timed on
-   their own, each less one read measured right there (:class:`QuietSamples`). Each step is charged the mean of the samples so far: a
-   systematic 1-in-64 sample of the same code, unbiased as long as the quiet step's
-   cost does not vary with a 64-step period. A sample over :data:`SAMPLE_MAX_NS` had
+   their own, each less one read measured right there (:class:`QuietSamples`). Each
+   step is charged the mean of the samples so far: a systematic 1-in-64 sample of the
+   same code, unbiased as long as the quiet step's cost does not vary with a 64-step
+   period. A sample over :data:`SAMPLE_MAX_NS` had
    the thread descheduled or interrupted inside it (a wall clock sees that) and is
    left out.
 3. **Calibrated: the eviction counter.** The block pool's ``_maybe_evict_cached_block``
    wrapper runs inside vLLM's allocation loop, once per block allocated; it is charged
-   per call at a cost calibrated at construction (once per process, about 1 ms: the real
-   wrapper in a tight loop against the function it wraps).
+   per call at a cost calibrated at construction (once per process, about 1 ms: vLLM's
+   call form on an instance, in a tight loop, with the real wrapper in the instance's
+   dict and without).
 
 What it cannot see: what kvmetrics costs inside vLLM's own code (vLLM's method reached
 through one more frame, the cache lines kvmetrics' code and data take from vLLM's), the
