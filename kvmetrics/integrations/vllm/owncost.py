@@ -22,9 +22,8 @@ scheduler adds to vLLM's. It has three parts:
    their own, each less one read measured right there (:class:`QuietSamples`). Each
    step is charged the mean of the samples so far: a systematic 1-in-64 sample of the
    same code, unbiased as long as the quiet step's cost does not vary with a 64-step
-   period. A sample over :data:`SAMPLE_MAX_NS` had
-   the thread descheduled or interrupted inside it (a wall clock sees that) and is
-   left out.
+   period. A sample over :data:`SAMPLE_MAX_NS` had the thread descheduled or
+   interrupted inside it (a wall clock sees that) and is left out.
 3. **Calibrated: the eviction counter.** The block pool's ``_maybe_evict_cached_block``
    wrapper runs inside vLLM's allocation loop, once per block allocated; it is charged
    per call at a cost calibrated at construction (once per process, about 1 ms: vLLM's
@@ -35,8 +34,9 @@ What it cannot see: what kvmetrics costs inside vLLM's own code (vLLM's method r
 through one more frame, the cache lines kvmetrics' code and data take from vLLM's), the
 call of each override itself (its frame and argument tuple, built before its first
 line runs) and the step-count test that decides whether a step is sampled, which is
-the first touch of the scheduler's state after vLLM's step. ``benchmarks/vllm_added_cost.py``
-measures the whole added cost and compares it with this estimate.
+the first touch of the scheduler's state after vLLM's step.
+``benchmarks/vllm_added_cost.py`` measures the whole added cost and compares it with
+this estimate.
 """
 
 from __future__ import annotations
