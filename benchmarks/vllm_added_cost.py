@@ -419,12 +419,14 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
                      sum(busy["kvmetrics"]) / cycles, busy_part, inside_est, outside_est)
 
 
-def rows(quick: bool = False) -> list[Any]:
+def rows(quick: bool = False, sizes: tuple[int, ...] = (16, 64, 256),
+         cycles: int | None = None) -> list[Any]:
     from benchmarks.common import Row
 
-    cycles = 320 if quick else 3200
+    if cycles is None:
+        cycles = 320 if quick else 3200
     out: list[Row] = []
-    for n in (16, 64, 256):
+    for n in sizes:
         load_before = os.getloadavg()[0]
         c = measure(n, cycles)
         case = f"{n} running, {c.cycles} cycles of {len(MODES)} modes"
@@ -483,5 +485,19 @@ if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("vllm").setLevel(logging.ERROR)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    print(render(rows(parser.parse_args().quick)))
+    parser.add_argument("--quick", action="store_true", help="320 cycles a size")
+    parser.add_argument("--sizes", default="16,64,256",
+                        help="running requests, comma-separated (default: 16,64,256)")
+    parser.add_argument("--cycles", type=int, default=None,
+                        help="cycles a size (default 3,200; the interval narrows as its "
+                             "square root: 16,000 at 256 running take about 9 minutes)")
+    options = parser.parse_args()
+    try:
+        sizes = tuple(int(x) for x in options.sizes.split(","))
+        if not sizes or min(sizes) < 1 or max(sizes) > 1024:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--sizes: comma-separated counts of 1 to 1024, not {options.sizes!r}")
+    if options.cycles is not None and not 16 * 3 <= options.cycles <= 10**6:
+        parser.error("--cycles: 48 to 1,000,000 (16 batches of at least 3 cycles)")
+    print(render(rows(options.quick, sizes, options.cycles)))
