@@ -36,7 +36,9 @@ from kvmetrics.metrics import catalogue as c
 
 UID = "kvmetrics-kv-recovery"
 TITLE = "KV cache recovery"
-RUNBOOK_URL = "https://github.com/kvmetrics/kvmetrics/blob/main/docs/runbook.md"
+#: The runbook as a path in this repository; ``deploy/kubernetes/generate.py --runbook-base``
+#: makes it a full URL where your on-call browses the repository, as in the alert rules.
+RUNBOOK_URL = "docs/runbook.md"
 
 Panels = list[cogbuilder.Builder[Panel]]
 
@@ -395,6 +397,17 @@ def exporter_health() -> Panels:
             [(target_sel("scrape_samples_scraped"), "{{job}} {{instance}}")],
             width=6,
         ),
+        p.single_stat(
+            "Families live",
+            "Per kvmetrics family this engine is meant to compute: 1 while it does, 0 while "
+            "it cannot (a vLLM hook it needs is out of action, so the family is absent from "
+            "the page and the panels and alerts built on it stay empty). The lowest value "
+            "over the selected replicas; pick one in Replica to see which. Families the "
+            "engine never computes (the lab's verifier on vLLM) are not listed. Runbook: "
+            "KVMetricsFamilyAbsent.",
+            p.NONE, f"min by (family) ({sel(c.FAMILY_LIVE.name)})", legend="{{family}}",
+            steps=((None, "red"), (1, "green")), instant=True, width=24, height=8,
+        ),
     ]
 
 
@@ -463,6 +476,7 @@ def build() -> dash_b.Dashboard:
             dash_b.DashboardLink("Runbook")
             .type(DashboardLinkType.LINK)
             .url(RUNBOOK_URL)
+            .tooltip("docs/runbook.md of the kvmetrics repository: one section per alert")
             .target_blank(True)
         )
         .variables(_variables())

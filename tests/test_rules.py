@@ -7,6 +7,7 @@ PATH: the rules are checked by the same parser the server uses.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -16,12 +17,14 @@ from typing import Any
 import pytest
 import yaml
 
+from dashboards.kv_cache_recovery import ROWS, RUNBOOK_URL
 from dashboards.lint import problems
 from dashboards.queries import TARGET_SERIES
+from kvmetrics.metrics import catalogue as cat
 from tests.test_deploy import _generate_module
 
 _GENERATE = _generate_module()
-RUNBOOK_PLACEHOLDER = _GENERATE.RUNBOOK_PLACEHOLDER
+RUNBOOK_PATH = _GENERATE.RUNBOOK_PATH
 generate = _GENERATE.main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,9 +102,39 @@ def test_alert_labels_and_annotations(rule: dict[str, Any]) -> None:
     annotations = rule.get("annotations", {})
     for key in ("summary", "description", "runbook_url"):
         assert annotations.get(key), f"{rule['alert']}: missing annotation {key}"
+    # As shipped, a path in this repository that exists, to a heading that exists.
     url, _, anchor = annotations["runbook_url"].partition("#")
-    assert url == f"{RUNBOOK_PLACEHOLDER}/runbook.md"
+    assert url == RUNBOOK_PATH and (ROOT / url).is_file(), url
+    assert anchor == rule["alert"].lower()
     assert anchor in github_anchors(RUNBOOK.read_text(encoding="utf-8")), anchor
+
+
+def test_the_dashboards_runbook_link_is_the_rules() -> None:
+    assert RUNBOOK_URL == RUNBOOK_PATH and (ROOT / RUNBOOK_URL).is_file()
+
+
+_LAB_ONLY = {s.name for s in cat.LAB_ONLY_FAMILIES}
+
+
+@pytest.mark.parametrize("rule", ALERTS, ids=lambda r: r["alert"])
+def test_lab_only_alerts_say_so(rule: dict[str, Any]) -> None:
+    """An alert on a series only the lab exports never fires on a `vllm serve` replica:
+    its `scope: lab` label says so (and routes it); no other alert carries a scope."""
+    names = set(re.findall(r"kvmetrics_\w+", rule["expr"]))
+    lab_only = bool(names & _LAB_ONLY)
+    assert lab_only or not names & _LAB_ONLY
+    assert rule["labels"].get("scope") == ("lab" if lab_only else None), rule["alert"]
+
+
+def test_blind_spots_have_alerts() -> None:
+    """What makes the other alerts blind has an alert of its own: a hook out of action,
+    an unverified vLLM, a family the engine should compute that is not on its page."""
+    exprs = {r["alert"]: " ".join(r["expr"].split()) for r in ALERTS}
+    assert exprs["KVMetricsInstrumentationErrors"] == \
+        f"{cat.INSTRUMENTATION_ERRORS.name} > 0"
+    assert exprs["KVMetricsVLLMUnverified"] == \
+        f'{cat.BUILD_INFO.name}{{vllm_verified="false"}} == 1'
+    assert exprs["KVMetricsFamilyAbsent"] == f"{cat.FAMILY_LIVE.name} == 0"
 
 
 def _alert(name: str) -> dict[str, Any]:
@@ -240,23 +273,60 @@ def test_runbook_has_one_section_per_alert() -> None:
     assert {rule["alert"].lower() for rule in ALERTS} <= anchors
 
 
+def _alert_table(path: Path) -> dict[str, list[str]]:
+    """The rows of a doc's alert table: alert name -> its other cells."""
+    rows: dict[str, list[str]] = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        match = re.fullmatch(r"\[?(KVMetrics\w+)(?:\]\(#\w+\))?", cells[0]) if cells else None
+        if line.startswith("|") and match:
+            assert match.group(1) not in rows, f"{path.name}: {match.group(1)} twice"
+            rows[match.group(1)] = cells[1:]
+    return rows
+
+
+@pytest.mark.parametrize("doc", ["runbook.md", "dashboards.md"])
+def test_docs_list_every_alert_as_rules_yml_has_it(doc: str) -> None:
+    """The alert tables of the runbook and docs/dashboards.md name every alert of
+    rules.yml, no other, with its severity, and `scope: lab` for the lab's alerts only."""
+    table = _alert_table(ROOT / "docs" / doc)
+    assert set(table) == {r["alert"] for r in ALERTS}
+    for rule in ALERTS:
+        severity = table[rule["alert"]][0]
+        assert severity.split(",")[0] == rule["labels"]["severity"], (rule["alert"], severity)
+        assert ("`scope: lab`" in severity) == (rule["labels"].get("scope") == "lab"), severity
+        if doc == "runbook.md":
+            assert table[rule["alert"]][1] == rule["for"], rule["alert"]
+
+
+def test_runbook_names_the_dashboards_rows() -> None:
+    """The runbook's list of dashboard rows is the dashboard's, in its order."""
+    listed = re.search(r"its\s+rows\s+are\s+(.*?)\.$", RUNBOOK.read_text(encoding="utf-8"),
+                       flags=re.MULTILINE | re.DOTALL)
+    assert listed, "the runbook no longer lists the dashboard's rows"
+    assert re.findall(r'"([^"]+)"', listed.group(1)) == [title for title, _ in ROWS]
+
+
 @pytest.mark.parametrize("query", _runbook_queries())
 def test_runbook_queries_name_only_catalogue_series(query: str) -> None:
     assert problems(query, RECORD_NAMES | set(TARGET_SERIES)) == []
 
 
 def test_runbook_base_is_the_operators(tmp_path: Path) -> None:
-    """The placeholder is replaced everywhere by the base the operator gives, and what
-    comes out is still valid rules (promtool) with every alert linking its section."""
-    assert generate(["--runbook-base", "https://wiki.example.com/kv/", "--out-dir",
-                     str(tmp_path)]) == 0
+    """Every runbook link (each alert's, the dashboard's) is made absolute under the base
+    the operator gives, and what comes out is still valid rules (promtool)."""
+    base = "https://git.example.com/sre/kvmetrics/-/blob/main"
+    assert generate(["--runbook-base", base + "/", "--out-dir", str(tmp_path)]) == 0
     rules = (tmp_path / "rules.yml").read_text()
-    assert RUNBOOK_PLACEHOLDER not in rules
-    assert RUNBOOK_PLACEHOLDER not in (tmp_path / "prometheusrule.yaml").read_text()
-    urls = [r["annotations"]["runbook_url"] for g in yaml.safe_load(rules)["groups"]
-            for r in g["rules"] if "alert" in r]
-    assert urls and all(u.startswith("https://wiki.example.com/kv/runbook.md#kvmetrics")
-                        for u in urls), urls
+    manifest = yaml.safe_load((tmp_path / "prometheusrule.yaml").read_text())
+    for groups in (yaml.safe_load(rules)["groups"], manifest["spec"]["groups"]):
+        urls = [r["annotations"]["runbook_url"] for g in groups for r in g["rules"]
+                if "alert" in r]
+        assert urls == [f"{base}/{RUNBOOK_PATH}#{r['alert'].lower()}" for r in ALERTS]
+    configmap = yaml.safe_load((tmp_path / "dashboard-configmap.yaml").read_text())
+    links = [link["url"] for text in configmap["data"].values()
+             for link in json.loads(text)["links"]]
+    assert links == [f"{base}/{RUNBOOK_PATH}"]
     promtool = shutil.which("promtool")
     assert promtool, "promtool not found: bash scripts/install.sh --test installs it"
     check = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yml")],

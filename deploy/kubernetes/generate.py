@@ -7,14 +7,16 @@ fails when a committed manifest is out of date.
 
 Usage: ``python deploy/kubernetes/generate.py [--check]``, or, for a deployment,
 ``python deploy/kubernetes/generate.py --runbook-base URL --out-dir DIR``: the
-manifests and rules.yml with every alert's ``runbook_url`` under URL (where you
-publish ``docs/``) instead of the ``${KVMETRICS_RUNBOOK_BASE}`` placeholder.
+manifests and rules.yml with every runbook link (each alert's ``runbook_url``, the
+dashboard's "Runbook" link) made absolute under URL, where your on-call browses this
+repository. As shipped, the links are paths in the repository (``docs/runbook.md#...``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,11 @@ DASHBOARDS = ROOT / "dashboards"
 PROMETHEUS_RULE = HERE / "prometheusrule.yaml"
 DASHBOARD_CONFIGMAP = HERE / "dashboard-configmap.yaml"
 
-#: Stands for the URL of the operator's copy of docs/ in every alert's runbook_url.
-RUNBOOK_PLACEHOLDER = "${KVMETRICS_RUNBOOK_BASE}"
+#: The runbook as a path in this repository: every runbook link as shipped starts so.
+RUNBOOK_PATH = "docs/runbook.md"
+#: Where a link to the runbook stands: an alert's runbook_url (quoted in rules.yml, plain
+#: in the generated manifest) and the dashboard's link ("url" in its JSON).
+_RUNBOOK_LINK = re.compile(r'(runbook_url: "?|"url": ")(?=' + re.escape(RUNBOOK_PATH) + r'["#])')
 
 _LABELS = {"app.kubernetes.io/name": "kvmetrics", "app.kubernetes.io/part-of": "kvmetrics"}
 
@@ -101,14 +106,14 @@ OUTPUTS = {PROMETHEUS_RULE: render_prometheus_rule, DASHBOARD_CONFIGMAP: render_
 
 
 def with_runbook_base(text: str, base: str) -> str:
-    """``text`` with the runbook placeholder replaced by ``base`` (checked: an absolute
-    http(s) or file URL, nothing that could break out of a YAML string)."""
+    """``text`` with every runbook link made ``base/docs/runbook.md...`` (``base`` checked:
+    an absolute http(s) or file URL, nothing that could break out of a YAML string)."""
     base = base.rstrip("/")
     if not base.startswith(("https://", "http://", "file:///")) or any(
             c in base for c in " \t\n\"'\\{}$#?"):
         raise ValueError(f"--runbook-base must be an http(s):// or file:/// URL without "
                          f"quotes, spaces, braces, '$', '#' or '?', got {base!r}")
-    return text.replace(RUNBOOK_PLACEHOLDER, base)
+    return _RUNBOOK_LINK.sub(lambda m: f"{m.group(1)}{base}/", text)
 
 
 def write_deployment(base: str, out_dir: Path) -> list[Path]:
@@ -130,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         "--check", action="store_true", help="exit 1 if a committed manifest is out of date"
     )
     parser.add_argument("--runbook-base", metavar="URL",
-                        help="where your copy of docs/ is published; with --out-dir")
+                        help="where your on-call browses this repository (URL/docs/"
+                        "runbook.md is the runbook); with --out-dir")
     parser.add_argument("--out-dir", metavar="DIR",
                         help="write prometheusrule.yaml, dashboard-configmap.yaml and "
                         "rules.yml with --runbook-base filled in to DIR")

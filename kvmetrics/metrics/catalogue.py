@@ -282,9 +282,9 @@ SCRAPE_ERRORS = MetricSpec(
     unit="errors", labels={"reason": ("unreadable_multiprocess_file",)},
 )
 
-#: Every family but the overflow counter: the exporter caps their series and counts the
-#: updates it drops in the overflow counter.
-_CAPPED_FAMILIES: tuple[MetricSpec, ...] = (
+#: The families an engine computes from what it sees (not the exporter's own bookkeeping):
+#: each can be live or, where a vLLM hook they need is unusable, absent from the page.
+COMPUTED_FAMILIES: tuple[MetricSpec, ...] = (
     *EVENT_COUNTERS,
     GUARD_REJECTED_INCREMENTS,
     INVARIANT_VIOLATIONS,
@@ -292,8 +292,34 @@ _CAPPED_FAMILIES: tuple[MetricSpec, ...] = (
     KV_CACHE_BLOCKS,
     REQUESTS,
     RECOVERY_DURATION,
+)
+#: Families only the lab's data plane computes (its KV verifier): an instrumented vLLM
+#: never does, so they are not expected there and alerts on them are ``scope: lab``.
+LAB_ONLY_FAMILIES: tuple[MetricSpec, ...] = (KV_VERIFIED_TOKENS, KV_VERIFICATION_FAILED_BLOCKS)
+FAMILY_LIVE = MetricSpec(
+    "kvmetrics_family_live", "gauge",
+    "Per family this engine is meant to compute: 1 while it computes it, 0 while it "
+    "cannot (a vLLM hook it needs is missing, changed or failed; the family is then "
+    "absent from the page, and alerts built on it cannot fire). Families the engine never "
+    "computes (the lab's verifier on vLLM) have no series. Set at start and whenever a "
+    "family goes absent.",
+    labels={"family": tuple(s.name for s in COMPUTED_FAMILIES)},
+)
+
+
+def expected_families(engine_kind: str) -> tuple[str, ...]:
+    """The families an engine of this kind computes when every hook works."""
+    lab_only = {s.name for s in LAB_ONLY_FAMILIES} if engine_kind == "vllm" else set()
+    return tuple(s.name for s in COMPUTED_FAMILIES if s.name not in lab_only)
+
+
+#: Every family but the overflow counter: the exporter caps their series and counts the
+#: updates it drops in the overflow counter.
+_CAPPED_FAMILIES: tuple[MetricSpec, ...] = (
+    *COMPUTED_FAMILIES,
     BUILD_INFO,
     SCRAPE_ERRORS,
+    FAMILY_LIVE,
 )
 SERIES_OVERFLOW = MetricSpec(
     "kvmetrics_series_overflow_total", "counter",

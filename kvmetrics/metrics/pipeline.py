@@ -111,6 +111,26 @@ class MetricsPipeline:
                 continue
             for values in cat.bounded_label_sets(spec):
                 self._safely(sink, "inc", spec, self.common + values, 0)
+        self._set_family_live(sink, cat.expected_families(self.engine_kind))
+
+    def _set_family_live(self, sink: MetricSink, families: Collection[str]) -> None:
+        """``kvmetrics_family_live``: 1 for each family computed, 0 for one left absent,
+        so that a rule can tell a family that should be here from one that never is."""
+        for name in families:
+            self._safely(sink, "set", cat.FAMILY_LIVE, self.common + (name,),
+                         0.0 if name in self.absent else 1.0)
+
+    def mark_absent(self, families: Collection[str]) -> None:
+        """Families that stop being computed from now on (a hook failed while running):
+        the pipeline updates them no more and ``kvmetrics_family_live`` says 0 for each
+        (taking their series already on a page off it is the caller's, per sink)."""
+        gone = frozenset(families) - self.absent
+        if not gone:
+            return
+        self.absent = self.absent | gone
+        expected = set(cat.expected_families(self.engine_kind))
+        for sink in self.sinks:
+            self._set_family_live(sink, [name for name in gone if name in expected])
 
     def _apply(self, spec: cat.MetricSpec, values: tuple[str, ...], amount: float,
                step: int = 0, request_id: str | None = None) -> Violation | None:
