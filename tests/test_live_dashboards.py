@@ -90,6 +90,9 @@ def _share(part: float, whole: float) -> float | None:
     return part / whole if whole else None  # None: the panel must show no data
 
 
+_COMPUTED = {spec.name for spec in catalogue.COMPUTED_FAMILIES}
+
+
 def _oracles(s: dict[str, Any]) -> dict[tuple[str, str], Oracle]:
     p, k, rec, ev = s["prefix_cache"], s["kv_load"], s["recomputed_tokens"], s["evicted_blocks"]
     prompt = sum(s["prompt_tokens"].values())
@@ -174,6 +177,9 @@ def _oracles(s: dict[str, Any]) -> dict[tuple[str, str], Oracle]:
         ("vLLM self-check failures", "{{check}}"): lambda *_: 0.0,
         # Nor does it time hooks: only vLLM's instrumented scheduler adds CPU seconds.
         ("kvmetrics overhead", "{{instance}} engine {{engine}}"): lambda *_: 0.0,
+        # The reference engine computes every family, the verifier's too.
+        ("Families live", "{{family}}"):
+            lambda s_, labels, w: 1.0 if labels["family"] in _COMPUTED else None,
     }
 
 
@@ -272,3 +278,9 @@ def test_dashboards_rules_and_alerts_against_live_lab_runs(
         assert prom.query('sum(kvmetrics_guard_rejected_increments_total{model_name="clean"})',
                           at=at)[0]["value"][1] == "0"
         assert "clean" not in _firing(prom, "KVMetricsKVVerificationFailures")
+        # The lab hooks no vLLM and runs no vLLM code: nothing that blinds the alerts.
+        for blind_spot in ("KVMetricsInstrumentationErrors", "KVMetricsVLLMUnverified",
+                           "KVMetricsFamilyAbsent"):
+            assert _firing(prom, blind_spot) == set(), blind_spot
+        (live,) = prom.query('count(kvmetrics_family_live{model_name="clean"} == 1)', at=at)
+        assert float(live["value"][1]) == len(_COMPUTED)
