@@ -1,6 +1,6 @@
 """The reference engine under async scheduling and vLLM's admission defaults.
 
-Each test is a hand-worked example of vLLM 0.33's behaviour (docs/vllm.md,
+Each test is a hand-worked example of vLLM 0.33's behaviour (docs/vllm-research.md,
 "Async scheduling"): the batch queue of two, placeholders, deferred block frees
 with a connector, victims that cannot be preempted while in flight, stale output
 after a preemption, the rollback of a step in flight (both modes), the admission

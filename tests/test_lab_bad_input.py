@@ -138,7 +138,7 @@ def test_engine_without_vllm_installed_is_one_line() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     _assert_clean_error(result, "--engine vllm is not available", "vLLM is not installed",
-                        "bash scripts/install.sh --vllm (docs/vllm.md#installing)")
+                        "bash scripts/install.sh --vllm (docs/user-guide.md#installing)")
 
 
 # -- every bad input of issue 21: one line, exit 2, nothing written or clobbered -----------

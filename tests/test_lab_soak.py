@@ -41,7 +41,7 @@ def test_soak_command() -> None:
 
 
 #: Soak seeds whose scenario reads stale KV through vLLM's own recovery path, and the
-#: defect of docs/vllm-defects.md whose patch removes it (docs/vllm.md, "Soak").
+#: defect of docs/vllm-defects.md whose patch removes it (docs/vllm-research.md, "Soak").
 KNOWN_STALE_SEEDS = {37: "chunked-recompute-sharer", 43: "recompute-keeps-failed-block"}
 
 

@@ -1,4 +1,4 @@
-"""vLLM's stale-KV finding (docs/vllm.md), reproduced in a real ``vllm serve``.
+"""vLLM's stale-KV finding (docs/vllm-defects.md), reproduced in a real ``vllm serve``.
 
 Under ``kv_load_failure_policy=recompute`` vLLM does not evict the blocks of a failed
 sync load, and they were hashed into the prefix cache when allocated. If the owner

@@ -1,6 +1,7 @@
 """FaultInjectingConnector's settings, fault plan and KV poisoning, without a server.
 
-The connector inside a real ``vllm serve`` is tested in tests/test_serve_faults.py.
+The connector inside a real ``vllm serve`` is tested in tests/test_serve_recompute.py,
+tests/test_serve_fail.py and tests/test_serve_stale.py.
 """
 
 from __future__ import annotations

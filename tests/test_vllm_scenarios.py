@@ -269,7 +269,7 @@ def test_preemption_after_a_partial_hit() -> None:
 
 
 def test_async_scheduler_keeps_the_discarded_steps_placeholder() -> None:
-    """Finding (docs/vllm.md): vLLM's AsyncScheduler after a failed sync load.
+    """vLLM's AsyncScheduler after a failed sync load (docs/vllm-defects.md).
 
     The failed step was the request's last prefill chunk, so ``_update_after_schedule``
     added an output placeholder; the recovery path discards that step's output

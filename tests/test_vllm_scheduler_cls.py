@@ -57,7 +57,7 @@ def build_like_engine_core(vllm_config, cfg: SchedulerConfig):
 
 
 def test_the_documented_class_is_the_one_tested() -> None:
-    for doc in ("README.md", "docs/vllm.md"):
+    for doc in ("README.md", "docs/user-guide.md"):
         assert f"--scheduler-cls {DOCUMENTED}" in (ROOT / doc).read_text(), doc
     assert builder.instrumented_cls(config(True)) == DOCUMENTED
 

@@ -1,11 +1,11 @@
 """The data-plane verifier (full mode) on vLLM's real recovery path.
 
-Finding (docs/vllm.md): under ``kv_load_failure_policy=recompute`` vLLM does not
-evict the blocks of a failed sync load; they were hashed into the prefix cache at
-allocation, before the load ran. If their owner is preempted before it recomputes
-them, the next request to hit that prefix (the owner itself on re-admission, or
-any other request) reads the poisoned block and keeps its output. Under ``fail``
-the blocks are evicted and nobody reads them.
+Finding (docs/vllm-defects.md, ``recompute-keeps-failed-block``): under
+``kv_load_failure_policy=recompute`` vLLM does not evict the blocks of a failed sync
+load; they were hashed into the prefix cache at allocation, before the load ran. If
+their owner is preempted before it recomputes them, the next request to hit that prefix
+(the owner itself on re-admission, or any other request) reads the poisoned block and
+keeps its output. Under ``fail`` the blocks are evicted and nobody reads them.
 """
 
 from __future__ import annotations

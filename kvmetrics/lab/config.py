@@ -30,7 +30,7 @@ MIN_STEP_SECONDS = 1e-6
 #: What a lab command says when vLLM is missing: a command that installs it and the doc
 #: section that explains the install (tests/test_readme.py checks the section exists).
 VLLM_INSTALL_HINT = ("install the light CPU-only vLLM with: bash scripts/install.sh --vllm "
-                     "(docs/vllm.md#installing)")
+                     "(docs/user-guide.md#installing)")
 
 
 class LabError(ValueError):

@@ -11,7 +11,7 @@ attributed to that patch's defects.
     python -m tests.helpers.soak_attribution --from-report soak.json
 
 Prints a Markdown table of stale blocks read per seed (``reduced by`` gives the
-count left with each patch that lowers it); docs/vllm.md ("Soak") records a run.
+count left with each patch that lowers it); docs/vllm-research.md ("Soak") records a run.
 """
 
 from __future__ import annotations

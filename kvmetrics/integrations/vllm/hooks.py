@@ -13,7 +13,7 @@ The hooks also read vLLM state (queues, the cache's usage, fields of the connect
 output); :data:`ATTRIBUTES` lists those reads and is checked the same way, so a
 renamed attribute is found once at start instead of raising on every step.
 
-Differences between the supported vLLM releases (0.28–0.33) are not errors:
+Differences between the supported vLLM releases (0.28 to 0.34) are not errors:
 an attribute may list the older names it had (``kv_holding_waiting``, called
 ``skipped_waiting`` before 0.31), and a hook on a path an older vLLM does not have
 (``_handle_failed_recving``, from 0.30: before it there is no
