@@ -13,7 +13,7 @@
 # 4. the defect canaries, `kvmetrics vllm-check`.
 # Nothing in the checkout changes. KVMETRICS_RELEASE_DIR keeps the scratch folder (default:
 # a new temporary one, removed at the end unless KVMETRICS_RELEASE_KEEP=1). Exit status 0
-# only if every step passed. docs/vllm.md, "Adding a vLLM version", says what to do next.
+# only if every step passed. docs/user-guide.md, "Adding a vLLM version", says what to do next.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VERSION="${1:-}"

@@ -34,7 +34,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 
 if [ ! -f "$PINS" ]; then
   echo "install-vllm-light.sh: no pins for vLLM $VERSION: $PINS not found" \
-       "(write one, see docs/vllm.md, or set KVMETRICS_VLLM_PINS)" >&2
+       "(write one, see docs/user-guide.md, or set KVMETRICS_VLLM_PINS)" >&2
   exit 2
 fi
 pin() { grep -m1 -i "^$1==" "$PINS" || true; }

@@ -9,7 +9,7 @@ never asks kvmetrics about:
   logged a warning. triton-cpu is not on PyPI, and nothing the scheduler does needs
   Triton (it runs no kernel), so :func:`cpu_config_context` lets that one check pass
   while the lab builds a :class:`VllmConfig`; the rest of vLLM's platform check runs
-  unchanged (docs/vllm.md says exactly what is bypassed). It lives here, in the lab's
+  unchanged (docs/vllm-research.md says exactly what is bypassed). It lives here, in the lab's
   harness, so that nothing shipped into ``vllm serve`` ever applies it.
 - **``ModelRunnerOutput.req_id_to_index``** is gone in 0.34 (vLLM derives it):
   :func:`runner_output` passes it only where the field exists.
