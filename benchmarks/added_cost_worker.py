@@ -29,6 +29,9 @@ WRAPPED = {"kv_cache_manager": ("record_prefix_cache_stats", "evict_blocks",
                                 "reset_prefix_cache"),
            "block_pool": ("_maybe_evict_cached_block",),
            "connector": ("update_state_after_alloc",)}
+#: The steps a step is classed by when it comes after one: a ``vllm`` step, a quiet
+#: ``kvmetrics`` step (not recorded), a ``stats`` step.
+AFTER = (VLLM, KV, STATS)
 #: A recorded step is followed by at most this many extra kvmetrics steps (normally one).
 MAX_AFTER = 4
 RESULT = "RESULT "
@@ -41,6 +44,16 @@ class Block:
 
     sums: list[float] = field(default_factory=lambda: [0.0] * len(MODES))
     counts: list[int] = field(default_factory=lambda: [0] * len(MODES))
+    #: Steps of any mode by the step before them (AFTER): what a step leaves to the next.
+    after_sums: list[float] = field(default_factory=lambda: [0.0] * len(AFTER))
+    after_counts: list[int] = field(default_factory=lambda: [0] * len(AFTER))
+
+    def add(self, mode: int, us: float, before: int | None) -> None:
+        self.sums[mode] += us
+        self.counts[mode] += 1
+        if before is not None:
+            self.after_sums[before] += us
+            self.after_counts[before] += 1
 
 
 @dataclass
@@ -51,7 +64,8 @@ class ProcessResult:
     cycles: int
     step_ms: float
     #: Per batch: each of COMPARED, ``added`` and ``minus`` (added less stats), minus
-    #: the ``vllm`` mean of the same batch.
+    #: the ``vllm`` mean of the same batch; ``carry_kvmetrics`` / ``carry_stats``: the
+    #: mean step after a quiet kvmetrics / a stats step less the mean after a vllm one.
     diffs: dict[str, list[float]]
     vllm_us: float
     kv_steps: int
@@ -125,19 +139,27 @@ def _batched(blocks: list[Block]) -> list[Block]:
             for m in range(len(MODES)):
                 total.sums[m] += block.sums[m]
                 total.counts[m] += block.counts[m]
+            for a in range(len(AFTER)):
+                total.after_sums[a] += block.after_sums[a]
+                total.after_counts[a] += block.after_counts[a]
         out.append(total)
     return out
 
 
 def differences(blocks: list[Block]) -> dict[str, list[float]]:
     """Per batch, each mode's mean step less the ``vllm`` mean step of that batch."""
-    diffs: dict[str, list[float]] = {name: [] for name in (*COMPARED, "added", "minus")}
+    names = (*COMPARED, "added", "minus", "carry_kvmetrics", "carry_stats")
+    diffs: dict[str, list[float]] = {name: [] for name in names}
     for batch in _batched(blocks):
         mean = [s / n for s, n in zip(batch.sums, batch.counts, strict=True)]
         for name in COMPARED:
             diffs[name].append(mean[MODES.index(name)] - mean[VLLM])
         diffs["added"].append(mean[KV] - mean[VLLM])
         diffs["minus"].append(mean[KV] - mean[STATS])
+        after = [s / n if n else math.nan
+                 for s, n in zip(batch.after_sums, batch.after_counts, strict=True)]
+        diffs["carry_kvmetrics"].append(after[AFTER.index(KV)] - after[AFTER.index(VLLM)])
+        diffs["carry_stats"].append(after[AFTER.index(STATS)] - after[AFTER.index(VLLM)])
     return diffs
 
 
@@ -269,11 +291,12 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
                 start = rng.choice([i + 1 for i, m in enumerate(order) if m == VLLM])
                 order = order[start:] + order[:start]
                 done = 0
+                before: int | None = AFTER.index(VLLM)  # the refill's last step
             block = Block()
             for mode in order:
                 us, recorded = step(mode)
-                block.sums[mode] += us
-                block.counts[mode] += 1
+                block.add(mode, us, before)
+                before = AFTER.index(mode) if mode in AFTER and not recorded else None
                 done += 1
                 if mode == VLLM:
                     vllm_steps.append(us)
@@ -288,8 +311,8 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
                     recorded_us.append(us)
                     us, recorded = step(KV)
                     after_us.append(us)
-                    block.sums[KV] += us
-                    block.counts[KV] += 1
+                    block.add(KV, us, None)  # after a recorded step: counted above
+                    before = None if recorded else AFTER.index(KV)
                     kv_steps += 1
                     done += 1
             blocks.append(block)

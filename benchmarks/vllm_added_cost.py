@@ -33,12 +33,16 @@ A step's cost is this thread's CPU time in ``schedule()`` plus ``update_from_out
 (the model runner is untimed: the same in every mode). Each mode is compared with the
 ``vllm`` mode by plain means (recorded steps and interrupts included: ``vllm serve``
 runs both) over 16 batches of consecutive blocks; a process's 95 % interval is t (15
-degrees of freedom) on the batch differences. Each size runs in ``--processes`` separate
-processes one after another; the figure is their mean and its interval spans every
-process's interval. A verdict is printed only with two processes or more, each with an
-A/A control whose interval holds 0; otherwise "unresolved". The garbage collector is off in
-the timed stretch (a collection lands on whichever step allocates last). Prompt lengths
-are staggered over a block so block allocations spread evenly over the steps.
+degrees of freedom) on the batch differences. The balanced order takes what a quiet
+step leaves to the next out of every difference; it is shown on its own (the mean step
+after a quiet ``kvmetrics`` or a ``stats`` step less the mean step after a ``vllm``
+one), since under ``vllm serve`` it comes on top. Each size runs in ``--processes``
+separate processes one after another; the figure is their mean and its interval spans
+every process's interval. A verdict is printed only with two processes or more, each
+with an A/A control whose interval holds 0; otherwise "unresolved". The garbage
+collector is off in the timed stretch (a collection lands on whichever step allocates
+last). Prompt lengths are staggered over a block so block allocations spread evenly
+over the steps.
 """
 
 from __future__ import annotations
@@ -118,6 +122,10 @@ def size_rows(results: list[dict[str, Any]]) -> list[Any]:
             added.us, added.text() + f"; per process {span('added')}"),
         Row("kvmetrics added - vLLM's own stats", case, minus.us,
             minus.text() + f"; per process {span('minus')}", f"<= 0: {state}", below),
+        Row("carry-over of a quiet kvmetrics step onto the next (not in added)", case,
+            est["carry_kvmetrics"].us, est["carry_kvmetrics"].text()),
+        Row("carry-over of a stats step onto the next (not in stats)", case,
+            est["carry_stats"].us, est["carry_stats"].text()),
         Row("kvmetrics added cost share", case, share.us,
             share.text("% of vLLM's scheduler CPU"), f"<= {SHARE_TARGET:g} %: {share_state}",
             share_ok),

@@ -52,7 +52,8 @@ def _result(control: float, minus: float, added: float = 2.0) -> dict[str, objec
     return {"running": 16, "cycles": 80, "step_ms": 10.0, "vllm_us": 200.0,
             "diffs": {"control": batches(control), "stats": batches(added - minus),
                       "frame": batches(1.0), "added": batches(added),
-                      "minus": batches(minus)},
+                      "minus": batches(minus), "carry_kvmetrics": batches(0.0),
+                      "carry_stats": batches(0.0)},
             "kv_steps": 96, "recorded": 3, "recorded_us": 120.0, "after_us": 30.0,
             "reported_us": 1.0, "sampled_us": 0.8, "evict_us": 0.1, "timed_us": 0.1}
 
