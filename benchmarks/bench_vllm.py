@@ -151,7 +151,8 @@ def run(quick: bool = False) -> list[Row]:
     steps, rounds = (10, 3) if quick else (50, 11)
     for n in (16, 64, 256):
         rows.extend(_overhead(n, steps, rounds))
-    rows.extend(vllm_added_cost.rows(quick))
+    for step_ms in (2.0, vllm_added_cost.STEP_MS):  # a CPU server's step, a GPU server's
+        rows.extend(vllm_added_cost.rows(quick, step_ms=step_ms))
     sizes = (1_000, 10_000) if quick else (1_000, 10_000, 100_000, 1_000_000)
     times = [_vllm_recovery(128, size, 16) for size in sizes]
     for size, t in zip(sizes, times, strict=True):

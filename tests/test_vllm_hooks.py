@@ -310,13 +310,13 @@ def test_the_cpu_estimate_charges_the_quiet_step_sampled_in_place(
 def test_a_quiet_step_sample_loses_its_clock_reads_and_interruptions(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Hand-worked: each sampled interval holds about one clock read, measured right
-    after the sample and taken off; a sample long enough to have been interrupted is
-    left out, not averaged in."""
+    after the sample (the lesser of two gaps) and taken off; a sample long enough to
+    have been interrupted is left out, not averaged in."""
     from kvmetrics.integrations.vllm import owncost
 
-    reads = iter([1000, 1040,  # one read costs 40 ns here
-                  5000, 5040,
-                  9000, 9040])
+    reads = iter([1000, 1040, 1090,  # one read costs 40 ns here (the lesser gap)
+                  5000, 5050, 5090,
+                  9000, 9040, 9080])
     monkeypatch.setattr(owncost, "perf_counter_ns", lambda: next(reads))
     samples = owncost.QuietSamples()
     samples.add(0, 1_040, 1)  # schedule's part: 1,040 ns less one read
@@ -324,6 +324,56 @@ def test_a_quiet_step_sample_loses_its_clock_reads_and_interruptions(
     samples.add(1, owncost.SAMPLE_MAX_NS + 500, 2)  # descheduled inside: dropped
     assert (samples.sums, samples.counts, samples.dropped) == ([1_000, 2_500], [1, 1], 1)
     assert samples.step_ns() == 3_500
+
+
+class _PreemptedClock:
+    """A monotonic clock that advances ``step`` ns a read, and once (before read
+    number ``preempt_at``) by ``gap`` ns more: the thread lost the CPU between two reads."""
+
+    def __init__(self, step: int, preempt_at: int, gap: int) -> None:
+        self.now, self.step, self.reads = 1_000, step, 0
+        self.preempt_at, self.gap = preempt_at, gap
+
+    def __call__(self) -> int:
+        self.reads += 1
+        self.now += self.step + (self.gap if self.reads == self.preempt_at else 0)
+        return self.now
+
+
+def test_a_preemption_inside_the_clock_cost_measurement_never_makes_a_sample_negative(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-place measurement of one clock read is two back-to-back reads; the thread
+    descheduled between them (5 ms) must neither make a sample negative nor pull the
+    mean down, and the quiet part must keep its mean for the rest of the process."""
+    from kvmetrics.integrations.vllm import owncost
+
+    clock = _PreemptedClock(step=40, preempt_at=2, gap=5_000_000)
+    monkeypatch.setattr(owncost, "perf_counter_ns", clock)
+    samples = owncost.QuietSamples()
+    samples.add(0, 1_040, 1)  # preempted while its clock read was being measured
+    for _ in range(99):
+        samples.add(0, 1_040, 1)  # undisturbed: 1,040 ns less one 40 ns read
+    samples.add(1, 2_580, 2)
+    assert clock.reads > 2  # the preemption did fall inside the first measurement
+    assert min(samples.sums) >= 0
+    # Kept, its read measured again; or dropped and counted: never charged negative.
+    assert samples.sums[0] == 1_000 * samples.counts[0]
+    assert samples.counts[0] + samples.dropped == 100 and samples.counts[0] >= 99
+    assert samples.step_ns() == 1_000 + 2_500
+
+
+def test_a_sample_whose_clock_cost_cannot_be_measured_is_dropped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every read of the in-place measurement disturbed: the sample less that cost would
+    be negative, so it is dropped and counted rather than charged."""
+    from kvmetrics.integrations.vllm import owncost
+
+    reads = iter([10_000, 3_010_000, 6_010_000])  # each read 3 ms apart
+    monkeypatch.setattr(owncost, "perf_counter_ns", lambda: next(reads))
+    samples = owncost.QuietSamples()
+    samples.add(0, 1_040, 1)
+    assert (samples.sums, samples.counts, samples.dropped) == ([0, 0], [0, 0], 1)
+    assert samples.step_ns() == 0
 
 
 def test_the_eviction_counter_counts_and_passes_every_call_form_through() -> None:

@@ -19,11 +19,19 @@ scheduler adds to vLLM's. It has three parts:
    timed with the monotonic clock (``perf_counter_ns``, a vDSO read of tens of
    nanoseconds, not a system call): from just after the step count is read to the end of
    the override, in intervals that leave out vLLM's own method and the hooks timed on
-   their own, each less one read measured right there (:class:`QuietSamples`). Each
-   step is charged the mean of the samples so far: a systematic 1-in-64 sample of the
-   same code, unbiased as long as the quiet step's cost does not vary with a 64-step
-   period. A sample over :data:`SAMPLE_MAX_NS` had the thread descheduled or
-   interrupted inside it (a wall clock sees that) and is left out.
+   their own, each less one read measured right there (:class:`QuietSamples`): the
+   lesser gap of three back-to-back reads, so a thread descheduled between two of them
+   does not inflate it; a sample that would still come out negative had every read
+   disturbed and is left out, so no sample and no mean is ever negative. Each step is
+   charged the mean of the samples so far: a systematic 1-in-64 sample of the same
+   code, unbiased as long as the quiet step's cost does not vary with a 64-step period.
+   The wall clock, not the thread CPU clock, bounds these intervals: a thread CPU read
+   is a system call (about 590 ns against 60 for ``perf_counter_ns`` on a 2-core KVM
+   guest), longer than the sub-microsecond intervals it would bound and as uncertain
+   in place, while the timed parts above, tens of microseconds and more, bear it. So
+   a sample over :data:`SAMPLE_MAX_NS`, about ten times the longest quiet step seen in
+   place, had the thread descheduled inside it and is left out; an interruption
+   shorter than that stays in its sample.
 3. **Calibrated: the eviction counter.** The block pool's ``_maybe_evict_cached_block``
    wrapper runs inside vLLM's allocation loop, once per block allocated; it is charged
    per call at a cost calibrated at construction (once per process, about 1 ms: vLLM's
@@ -34,7 +42,8 @@ What it cannot see: what kvmetrics costs inside vLLM's own code (vLLM's method r
 through one more frame, the cache lines kvmetrics' code and data take from vLLM's), the
 call of each override itself (its frame and argument tuple, built before its first
 line runs) and the step-count test that decides whether a step is sampled, which is
-the first touch of the scheduler's state after vLLM's step.
+the first touch of the scheduler's state after vLLM's step. It is a lower bound of
+what kvmetrics adds, not a measurement of it.
 ``benchmarks/vllm_added_cost.py`` measures the whole added cost and compares it with
 this estimate.
 """
@@ -52,8 +61,9 @@ from typing import Any
 #: work is timed on its own).
 SAMPLE_EVERY = 64
 SAMPLE_PHASE = 20
-#: A sampled quiet step's own part longer than this was interrupted: left out.
-SAMPLE_MAX_NS = 200_000
+#: A sampled quiet step's own part longer than this (wall clock; the part takes 1-3 us
+#: in place) had the thread descheduled inside it: left out.
+SAMPLE_MAX_NS = 30_000
 
 
 @dataclass(frozen=True)
@@ -80,23 +90,27 @@ class QuietSamples:
 
     def add(self, part: int, ns: int, intervals: int) -> None:
         """A sample of ``part`` that spanned ``intervals`` clock-bounded intervals: each
-        holds about one read of the clock, measured now and taken off."""
-        read = perf_counter_ns()
-        read = perf_counter_ns() - read
+        holds about one read of the clock, measured now (the lesser of two back-to-back
+        gaps: a preemption lands in one at most) and taken off. A sample that is left
+        negative or too long was disturbed: dropped and counted, never charged."""
+        first = perf_counter_ns()
+        second = perf_counter_ns()
+        read = min(second - first, perf_counter_ns() - second)
         ns -= intervals * read
-        if ns > SAMPLE_MAX_NS:
+        if ns < 0 or ns > SAMPLE_MAX_NS:
             self.dropped += 1
             return
-        self.sums[part] += ns  # a small negative (clock jitter) stays: no upward bias
+        self.sums[part] += ns
         self.counts[part] += 1
 
     def step_ns(self) -> float:
-        """The estimated quiet-step cost (ns), both parts; 0 before any sample."""
+        """The estimated quiet-step cost (ns), both parts; 0 before any sample (no
+        sample is negative, so neither is the mean)."""
         total = 0.0
         for s, n in zip(self.sums, self.counts, strict=True):
             if n:
                 total += s / n
-        return max(total, 0.0)
+        return total
 
 
 class _Tally:
