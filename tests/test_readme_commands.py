@@ -85,6 +85,15 @@ def test_default_run(newcomer: dict[str, object]) -> None:
         result.stdout[-3000:]
     failed = re.search(r"KV load blocks\W+\d+ ok, (\d+) failed", result.stdout)
     assert failed and int(failed[1]) > 0, result.stdout[-3000:]  # "faults": some loads fail
+    # It says what it injected and ran, and ends with its verdict.
+    assert re.search(r"^faults injected +each loaded KV block fails with probability 2\.0% "
+                     r"\(--fault-rate 0\.02\)$", result.stdout, flags=re.M), result.stdout
+    assert re.search(r"^failure policy +--policy recompute: a request whose load failed "
+                     r"computes the lost blocks again$", result.stdout, flags=re.M)
+    assert re.search(r"^recovery path +--recovery vllm: vLLM's own recovery path, its known "
+                     r"defects included$", result.stdout, flags=re.M), result.stdout
+    assert re.search(r"\n\nverdict: PASS - no request read stale KV \([\d,]+ tokens "
+                     r"verified\)\n$", result.stdout), result.stdout[-3000:]
 
 
 def test_served_run_is_scraped_live_and_stops_on_ctrl_c(newcomer: dict[str, object]) -> None:
