@@ -164,6 +164,19 @@ def test_lab_summary_explains_the_stale_reads() -> None:
     summary = json.loads(result.stdout)
     findings = summary["findings"]
     assert findings["failed_blocks"] == summary["verification"]["failed_blocks"] > 0
+    # The table's last line judges the run, with the counts the JSON has ...
+    assert text.stdout.endswith(
+        f"\n\nverdict: FAIL - {findings['failed_blocks']:,} stale KV block reads by "
+        f"{findings['requests']:,} requests: KV that differs from a clean computation was "
+        "read\n"), text.stdout[-600:]
+    # ... and the figure that looks wrong (more recomputed than rolled back) says why.
+    rolled, again = summary["rolled_back_tokens"], summary["recomputed_tokens"]["kv_load_failure"]
+    assert again > rolled
+    assert re.search(rf"^recomputed tokens +{again} after failed loads\*, ", text.stdout, re.M)
+    assert (f"\n* {again:,} tokens recomputed after failed loads, more than the {rolled:,} "
+            "rolled back: a failed step's own tokens are discarded and computed again without "
+            "a rollback, and a request preempted before it caught up computes them once more\n"
+            ) in text.stdout
     assert sum(c["failed_blocks"] for c in findings["causes"]) == findings["failed_blocks"]
     assert all(c["known"] for c in findings["causes"])
     fixed = json.loads(run_cli("run", *STALE, "--json", "--recovery", "evict").stdout)

@@ -127,11 +127,15 @@ def test_injected_failures_and_switches_are_shown_as_configured(
 
     page, _, doc = stale_run
     text = page.read_text()
-    # The failures were asked for: the tile says so, next to the rate, and is not red.
-    tile = re.search(r'<div class="tile ([^"]*)"><div class="v">[^<]*</div><div class="l">'
-                     r"of [\d,]+ KV block loads failed[^<]*</div>", text)
+    # The failures were asked for: the tile says so, the measured share labelled as
+    # such next to the injected rate, and is not red.
+    tile = _failed_share_tile(text)
     assert tile and tile[1] == "", tile and tile[0]
-    assert "injected: 20.0% of loaded blocks (--fault-rate 0.2)" in tile[0]
+    k = doc["kv_load"]
+    assert tile[2] == f"{k['blocks_failed'] / (k['blocks_ok'] + k['blocks_failed']):.1%}"
+    assert tile[3] == f"{k['blocks_failed']:,} of {k['blocks_ok'] + k['blocks_failed']:,}"
+    assert ('injected rate: 20.0% per block (<span class="opt">--fault-rate 0.2</span>); '
+            "the measured share varies around it") in tile[0]
     # A switch shows whether it was given, not the setting behind it.
     assert "<th>--no-reserve-full-prompt</th><td>given</td>" in text
     assert "<th>--async-scheduling</th><td>not given</td>" in text
@@ -139,9 +143,88 @@ def test_injected_failures_and_switches_are_shown_as_configured(
     doc["config"]["fault_rate"] = 0.0
     again = render_report(doc)
     assert "<th>--no-reserve-full-prompt</th><td>not given</td>" in again
-    tile = re.search(r'<div class="tile ([^"]*)"><div class="v">[^<]*</div><div class="l">'
-                     r"of [\d,]+ KV block loads failed[^<]*</div>", again)
+    tile = _failed_share_tile(again)
     assert tile[1] == "bad" and "no faults were injected" in tile[0]
+
+
+def _failed_share_tile(page: str) -> re.Match[str] | None:
+    """The tile of failed loads: (whole tile, its class, the share, "failed of loaded")."""
+    return re.search(r'<div class="tile ([^"]*)"><div class="v">([^<]*)</div><div class="l">'
+                     r"of loaded KV blocks failed \(([\d,]+ of [\d,]+)\), measured<br>"
+                     r".*?</div></div>", page)
+
+
+def test_the_verdict_and_every_headline_figure_are_labelled(
+        stale_run: tuple[Path, Path, dict]) -> None:
+    page, _, doc = stale_run
+    text = page.read_text()
+    stale, readers = doc["verification"]["failed_blocks"], doc["findings"]["requests"]
+    # The verdict first, with the faults and the recovery it ran under.
+    banner = re.search(r'<div class="verdict (\w+)" id="verdict">(.*?)</div>', text)
+    assert banner and banner[1] == "fail", banner
+    assert banner[2].startswith(f"<b>FAIL</b> &mdash; {stale:,} stale KV block reads by "
+                                f"{readers:,} requests: ")
+    assert ('faults: each loaded KV block fails with probability 20.0% (<span class="opt">'
+            '--fault-rate 0.2</span>) &middot; <span class="opt">--policy recompute</span> '
+            '&middot; <span class="opt">--recovery vllm</span>') in banner[2]
+    assert text.index('id="verdict"') < text.index('class="tiles"')
+    # Rolled back and recomputed: each number named, and why the second is larger.
+    rolled, again = doc["rolled_back_tokens"], doc["recomputed_tokens"]["kv_load_failure"]
+    assert again > rolled  # this run shows the case the label explains
+    tile = re.search(r'<div class="v"><span class="nw">([\d,]+) <small>rolled back</small>'
+                     r'</span> <span class="nw">/ ([\d,]+) <small>recomputed</small></span>'
+                     r'</div><div class="l">(.*?)</div>', text)
+    assert tile and (tile[1], tile[2]) == (f"{rolled:,}", f"{again:,}"), tile
+    assert tile[3] == ("tokens after failed loads: taken back by the recovery path / computed "
+                       "again<br>recomputed also counts each failed step&#x27;s own discarded "
+                       "tokens, and counts again after a preemption")
+    # The summary table marks the figure and says the same under it.
+    assert f"<td>{again} after failed loads*, " in text
+    assert (f'<p class="note">* {again:,} tokens recomputed after failed loads, more than the '
+            f"{rolled:,} rolled back: ") in text
+
+
+#: For each text run of the page that holds an option (an option and a short value, as
+#: in running text), whether the browser laid it out over more than one line. Added to
+#: a copy of the report only: the report itself has no script.
+LINE_CHECK = """<script>
+const option = /--[a-z][\\w-]*(?: (?!--)[^\\s,;:()]{1,24}(?![^\\s,;:()]))?/g;
+const broken = [];
+const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+  if (node.parentElement.closest('svg, .doc, script')) continue;
+  for (const m of node.data.matchAll(option)) {
+    const range = document.createRange();
+    range.setStart(node, m.index);
+    range.setEnd(node, m.index + m[0].length);
+    const tops = new Set([...range.getClientRects()].map(r => Math.round(r.top)));
+    if (tops.size > 1) broken.push(m[0]);
+  }
+}
+const groups = [...document.querySelectorAll('.replay .arg')];
+for (const g of groups) {
+  if (new Set([...g.getClientRects()].map(r => Math.round(r.top))).size > 1)
+    broken.push(g.textContent);
+}
+document.body.setAttribute('data-broken', JSON.stringify(broken));
+document.body.setAttribute('data-args', String(groups.length));
+</script>"""
+
+
+@pytest.mark.parametrize("width", [700, 1280])
+def test_no_option_breaks_over_two_lines(stale_run: tuple[Path, Path, dict], tmp_path: Path,
+                                         width: int) -> None:
+    """In the tiles, the verdict, the cards, the tables and the replay line, an option and
+    its value stay on one line, at a laptop's width and a narrow one."""
+    page, _, _ = stale_run
+    checked = tmp_path / "checked.html"
+    checked.write_text(page.read_text().replace("</body>", LINE_CHECK + "</body>"))
+    dom = browse(checked, tmp_path / "profile", f"--window-size={width},2000", "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-3000:]
+    found = re.search(r'data-broken="([^"]*)" data-args="(\d+)"', dom.stdout)
+    assert found, dom.stdout[-2000:]
+    assert int(found[2]) > 10  # the replay line's options were found and measured
+    assert json.loads(found[1].replace("&quot;", '"')) == []
 
 
 def test_without_the_docs_a_reference_is_text_not_a_dead_link(
@@ -342,8 +425,15 @@ def test_the_report_builds_its_html_only_through_the_escaping_helper() -> None:
     import ast
 
     import kvmetrics.lab.report as report
+    import kvmetrics.lab.report_headline as headline
 
-    tree = ast.parse(Path(report.__file__).read_text())
+    for module in (report, headline):
+        _no_markup_outside_the_helper(ast.parse(Path(module.__file__).read_text()))
+
+
+def _no_markup_outside_the_helper(tree: object) -> None:
+    import ast
+
     for node in ast.walk(tree):
         if isinstance(node, ast.JoinedStr):
             literal = "".join(v.value for v in node.values if isinstance(v, ast.Constant))

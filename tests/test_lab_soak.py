@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -263,3 +265,57 @@ def test_no_control_byte_from_a_shard_reaches_the_terminal(tmp_path: Path) -> No
                       "failing_seeds": [f"{hostile}:1"]}, as_json=False)
     assert "\x1b" not in shown.getvalue() and "\x07" not in shown.getvalue()
     assert "\\x1b]0;pwned\\x07" in shown.getvalue()
+
+
+# -- --explain writes its report where a person looks for it ------------------------------
+
+#: A seed whose scenario reads stale KV in two seconds (docs/soak.md's example).
+EXPLAINED = "3"
+
+
+def _explain_in(folder: Path, *args: str, without_matplotlib: bool = False
+                ) -> subprocess.CompletedProcess[str]:
+    """``kvmetrics soak --explain`` run in ``folder``, optionally as if matplotlib (the
+    ``report`` extra) were not installed."""
+    argv = ["soak", "--explain", EXPLAINED, *args]
+    code = ("import sys; sys.modules['matplotlib'] = None; "
+            if without_matplotlib else "import sys; ") + \
+        f"from kvmetrics.cli.main import main; sys.exit(main({argv!r}))"
+    return subprocess.run([sys.executable, "-c", code], cwd=folder, capture_output=True,
+                          text=True, timeout=300, stdin=subprocess.DEVNULL)
+
+
+def test_explain_writes_its_report_here_and_says_where(tmp_path: Path) -> None:
+    result = _explain_in(tmp_path)
+    assert result.returncode == 1, result.stderr  # the scenario read stale KV
+    assert result.stderr.splitlines() == [
+        f"kvmetrics: report of reference:{EXPLAINED} written to reference-{EXPLAINED}.html"]
+    assert [p.name for p in tmp_path.iterdir()] == [f"reference-{EXPLAINED}.html"]
+    page = (tmp_path / f"reference-{EXPLAINED}.html").read_text()
+    assert '<div class="verdict fail" id="verdict"><b>FAIL</b>' in page
+    assert "verdict: FAIL - " in result.stdout
+
+
+def test_explain_where_its_report_cannot_go_stops_before_the_run(tmp_path: Path) -> None:
+    (tmp_path / f"reference-{EXPLAINED}.html").mkdir()
+    result = _explain_in(tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"kvmetrics: error: the report reference-{EXPLAINED}.html: reference-{EXPLAINED}.html "
+        "is a directory, not a file (--report-dir DIR writes it elsewhere)"]
+
+
+def test_explain_without_matplotlib_explains_and_says_there_is_no_report(
+        tmp_path: Path) -> None:
+    result = _explain_in(tmp_path, without_matplotlib=True)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        "kvmetrics: no HTML report will be written: the HTML report needs matplotlib: pip "
+        "install 'kvmetrics[report]' (or rerun scripts/install.sh, which installs it)"]
+    assert "verdict: FAIL - " in result.stdout and list(tmp_path.iterdir()) == []
+    # A report directory asked for by name is refused before the run instead.
+    named = _explain_in(tmp_path, "--report-dir", ".", without_matplotlib=True)
+    assert named.returncode == 2 and named.stdout == ""
+    assert named.stderr.splitlines() == [
+        "kvmetrics: error: the HTML report needs matplotlib: pip install 'kvmetrics[report]' "
+        "(or rerun scripts/install.sh, which installs it)"]

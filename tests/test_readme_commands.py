@@ -42,6 +42,16 @@ def lab_block() -> list[str]:
     return lines
 
 
+def _comment_of(prefix: str) -> str:
+    """The comment beside the block line that starts with ``prefix``."""
+    text = README.read_text(encoding="utf-8")
+    block = re.search(r"## Use the lab\n\n```bash\n(.*?)```", text, flags=re.S)
+    found = [line.split("  #", 1)[1] for line in block[1].splitlines()
+             if line.startswith(prefix) and "  #" in line]
+    assert len(found) == 1, (prefix, found)
+    return found[0]
+
+
 def _command(prefix: str) -> str:
     """The one block line that starts with ``prefix``."""
     found = [c for c in lab_block() if c.startswith(prefix)]
@@ -85,6 +95,15 @@ def test_default_run(newcomer: dict[str, object]) -> None:
         result.stdout[-3000:]
     failed = re.search(r"KV load blocks\W+\d+ ok, (\d+) failed", result.stdout)
     assert failed and int(failed[1]) > 0, result.stdout[-3000:]  # "faults": some loads fail
+    # It says what it injected and ran, and ends with its verdict.
+    assert re.search(r"^faults injected +each loaded KV block fails with probability 2\.0% "
+                     r"\(--fault-rate 0\.02\)$", result.stdout, flags=re.M), result.stdout
+    assert re.search(r"^failure policy +--policy recompute: a request whose load failed "
+                     r"computes the lost blocks again$", result.stdout, flags=re.M)
+    assert re.search(r"^recovery path +--recovery vllm: vLLM's own recovery path, its known "
+                     r"defects included$", result.stdout, flags=re.M), result.stdout
+    assert re.search(r"\n\nverdict: PASS - no request read stale KV \([\d,]+ tokens "
+                     r"verified\)\n$", result.stdout), result.stdout[-3000:]
 
 
 def test_served_run_is_scraped_live_and_stops_on_ctrl_c(newcomer: dict[str, object]) -> None:
@@ -147,6 +166,17 @@ def test_explain_a_failing_seed(newcomer: dict[str, object],
     result = _run(newcomer, command, timeout=600)
     assert result.returncode == 1, result.stderr[-3000:]  # the seed read stale KV
     assert "stale KV" in result.stdout and "see docs/" in result.stdout, result.stdout[-3000:]
+    assert re.search(r"^verdict: FAIL - [\d,]+ stale KV block reads? by [\d,]+ requests?: ",
+                     result.stdout, flags=re.M), result.stdout[-3000:]
+    # ... and, as the block's comment says, its report is written where it was run,
+    # and stderr says so.
+    page = Path(newcomer["cwd"]) / f"reference-{seed}.html"
+    assert f"kvmetrics: report of reference:{seed} written to reference-{seed}.html" \
+        in result.stderr.splitlines(), result.stderr[-3000:]
+    assert f"reference-{seed}.html" in _comment_of("kvmetrics soak --explain").replace(
+        "SEED", seed)
+    html = page.read_text(encoding="utf-8")
+    assert "kvmetrics run report" in html and 'class="card" data-cause=' in html
 
 
 def test_the_vllm_install_line_is_the_one_the_test_install_ran() -> None:

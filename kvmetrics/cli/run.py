@@ -297,7 +297,7 @@ def _print_summary(result: LabResult, args: argparse.Namespace) -> None:
             print(strict_json.dumps({k: v for k, v in result.document().items()
                                      if k != "timeline"}, indent=2, sort_keys=True), flush=True)
         else:
-            print(render_table(result.summary, rich=stdout_is_tty()), flush=True)
+            print(render_table(result.document(), rich=stdout_is_tty()), flush=True)
     if result.interrupted:
         say(f"interrupted at step {result.summary['steps']}: the summary covers the steps "
             "run so far")

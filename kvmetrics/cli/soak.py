@@ -90,10 +90,14 @@ def _add(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", metavar="PATH", help="also write the JSON report to PATH")
     p.add_argument("--explain", type=int, metavar="SEED",
                    help="run only scenario SEED (on each of --engines) as `kvmetrics run` "
-                   "would: its command line, summary and findings explained")
+                   "would: print its command line, summary and findings explained, and "
+                   "write its HTML report, ENGINE-SEED.html, into --report-dir (by default "
+                   "the current directory)")
     p.add_argument("--report-dir", metavar="DIR",
-                   help="write an HTML report (ENGINE-SEED.html) for each failing scenario "
-                   f"(the first {SHOWN_FAILURES}), or for the --explain one")
+                   help="where HTML reports go (ENGINE-SEED.html): the --explain one's "
+                   "(default: the current directory), or one per failing scenario of a "
+                   f"campaign (the first {SHOWN_FAILURES}; a campaign writes none without "
+                   "this option)")
 
 
 def print_report(data: dict[str, Any], as_json: bool) -> None:
@@ -134,15 +138,24 @@ def replay_lines(failures: list[Any], args: argparse.Namespace) -> list[str]:
             for o in failures[:SHOWN_FAILURES]]
 
 
-def _explain(seeds: list[tuple[int, str]], args: argparse.Namespace, show: bool) -> int:
-    """Run each (seed, engine) scenario as ``kvmetrics run`` would, print what it found and
-    write its report to --report-dir; returns the stale reads found in all."""
+def report_path(report_dir: str | None, engine: str, seed: int) -> str:
+    """Where a scenario's HTML report goes: ENGINE-SEED.html in ``report_dir``, or in the
+    current directory (named as a person would type it, without ``./``)."""
+    name = f"{engine}-{seed}.html"
+    return name if report_dir is None else os.path.join(report_dir, name)
+
+
+def _explain(seeds: list[tuple[int, str]], args: argparse.Namespace, *, show: bool,
+             reports: bool) -> tuple[int, bool]:
+    """Run each (seed, engine) scenario as ``kvmetrics run`` would, print what it found
+    (``show``) and write its report (``reports``, see :func:`_reports`); returns the stale
+    reads found in all, and whether every report that was due got written."""
     from kvmetrics.lab.replay import run_command
     from kvmetrics.lab.report import render_report
     from kvmetrics.lab.runner import run_lab
     from kvmetrics.lab.summary import render_table
 
-    stale = 0
+    stale, written = 0, True
     for seed, engine in seeds:
         cfg = _scenario(seed, engine, args)
         try:
@@ -154,13 +167,45 @@ def _explain(seeds: list[tuple[int, str]], args: argparse.Namespace, show: bool)
             continue
         stale += result.summary["verification"]["failed_blocks"]
         if show:
-            print(f"scenario {engine}:{seed}: {run_command(cfg)}")
-            print(render_table(result.summary, rich=False) + "\n")
-        if args.report_dir:
-            path = os.path.join(args.report_dir, f"{engine}-{seed}.html")
+            with suppress(OSError):  # a hung-up terminal must not stop the report
+                print(f"scenario {engine}:{seed}: {run_command(cfg)}")
+                print(render_table(result.document(), rich=False) + "\n", flush=True)
+        if reports:
+            path = report_path(args.report_dir, engine, seed)
             if write_output(path, render_report(result.document())):
                 say(f"report of {engine}:{seed} written to {path}")
-    return stale
+            else:
+                written = False
+    return stale, written
+
+
+def _reports(args: argparse.Namespace) -> tuple[bool, str | None]:
+    """Whether HTML reports are written, and the one-line problem that stops the command
+    before any work (or None). A campaign writes them only into a --report-dir; --explain
+    always writes its scenario's, into the current directory unless --report-dir names
+    another. Without matplotlib a --report-dir given by name is refused, while --explain's
+    default report is skipped with one line and the explanation still printed."""
+    from kvmetrics.lab.report import ReportUnavailable, require_report_support
+
+    if args.explain is None and args.report_dir is None:
+        return False, None
+    if args.report_dir is not None and not os.path.isdir(args.report_dir):
+        return False, f"--report-dir: {args.report_dir} is not a directory"
+    try:
+        require_report_support()
+    except ReportUnavailable as e:
+        if args.report_dir is not None:
+            return False, str(e)
+        say(f"no HTML report will be written: {e}")
+        return False, None
+    if args.explain is not None:
+        for engine in args.engines:
+            path = report_path(args.report_dir, engine, args.explain)
+            problem = check_output_path(path)
+            if problem:
+                return False, f"the report {path}: {problem} (--report-dir DIR writes it " \
+                    "elsewhere)"
+    return True, None
 
 
 def _check_outputs(args: argparse.Namespace) -> str | None:
@@ -169,15 +214,8 @@ def _check_outputs(args: argparse.Namespace) -> str | None:
         return f"--output: {problem}"
     if args.explain is not None and args.explain < 0:
         return f"--explain: a seed is >= 0, got {args.explain}"
-    if args.report_dir is not None and not os.path.isdir(args.report_dir):
-        return f"--report-dir: {args.report_dir} is not a directory"
-    if args.report_dir is not None:
-        from kvmetrics.lab.report import ReportUnavailable, require_report_support
-
-        try:
-            require_report_support()
-        except ReportUnavailable as e:
-            return str(e)
+    if args.explain is not None and (args.shard is not None or args.output is not None):
+        return "--explain runs one scenario: --shard and --output do not apply"
     return None
 
 
@@ -186,12 +224,16 @@ def _run(args: argparse.Namespace) -> int:
     from kvmetrics.lab.soak import Campaign, Shard, soak
 
     problem = _check_outputs(args)
+    reports = False
+    if problem is None:
+        reports, problem = _reports(args)
     if problem:
         return fail(problem)
     if args.explain is not None:
-        if args.shard is not None or args.output is not None:
-            return fail("--explain runs one scenario: --shard and --output do not apply")
-        stale = _explain([(args.explain, e) for e in args.engines], args, show=True)
+        stale, written = _explain([(args.explain, e) for e in args.engines], args,
+                                  show=True, reports=reports)
+        if not written:
+            return EXIT_OUTPUT
         return 1 if stale else 0
     shard = args.shard or Shard(0, 1)
     engines = args.engines
@@ -241,9 +283,11 @@ def _run(args: argparse.Namespace) -> int:
         print("\n".join(replay_lines(report.failures, args)), file=stream)
         if args.recovery == "vllm":
             print(EXPECTED_UNDER_VLLM_RECOVERY, file=stream)
-        if args.report_dir:
-            _explain([(o.seed, o.engine) for o in report.failures[:SHOWN_FAILURES]], args,
-                     show=False)
+        if reports:
+            _, all_written = _explain([(o.seed, o.engine)
+                                       for o in report.failures[:SHOWN_FAILURES]],
+                                      args, show=False, reports=True)
+            written = written and all_written
     return exit_code(report) if written else EXIT_OUTPUT
 
 
@@ -256,7 +300,7 @@ COMMAND = Command(
     "increment.",
     examples=(
         "kvmetrics soak --scenarios 1000 --jobs auto",
-        "kvmetrics soak --explain 43 --report-dir .       # explain one failing scenario",
+        "kvmetrics soak --explain 43           # explain one failing scenario: reference-43.html",
         "kvmetrics soak --scenarios 20 --report-dir reports/  # a report per failing seed",
         "kvmetrics soak --scenarios 200 --engines reference,vllm --recovery evict",
         "kvmetrics soak --scenarios 10000 --shard 3/8 --json > shard-3.json",

@@ -24,8 +24,9 @@ from typing import Any
 from kvmetrics import __version__
 from kvmetrics.lab.doc_sections import DOCS_DIR, DocAppendix, render_appendix
 from kvmetrics.lab.markup import Markup, html, join
+from kvmetrics.lab.report_headline import cards, command_markup, tiles, verdict_banner, with_options
 from kvmetrics.lab.run_schema import RunDocumentError, check_run_document
-from kvmetrics.lab.summary import summary_rows
+from kvmetrics.lab.summary import footnotes, summary_rows
 
 #: Series colours; the browser test looks for them in the rendered page.
 COLOURS = {
@@ -322,7 +323,13 @@ table{border-collapse:collapse}th,td{text-align:left;padding:3px 12px 3px 0;
 vertical-align:top;border-bottom:1px solid #eee}th{font-weight:600}
 .config{display:grid;grid-template-columns:repeat(auto-fit,minmax(300px,1fr));gap:4px 24px}
 code{font:12.5px ui-monospace,monospace;background:#f4f4f4;padding:1px 4px;border-radius:3px}
-.replay{white-space:pre-wrap;word-break:break-all}
+.replay{overflow-wrap:anywhere}.replay .arg,.opt,.nw,.card a,th{white-space:nowrap}
+.verdict{margin:0 0 12px;padding:8px 14px;border-radius:6px;border-left:5px solid #999;
+background:#f6f6f6;font-size:15px}.verdict.pass{border-left-color:#2ca02c;background:#f3fbf3}
+.verdict.fail{border-left-color:#d62728;background:#fdf3f3}.verdict.fail b{color:#b01d1e}
+.verdict .under{display:block;color:#555;font-size:12.5px;margin-top:2px}
+.tile .v small{font-size:13px;font-weight:400;color:#555}.tile{overflow-wrap:anywhere}
+.note{color:#555;font-size:12.5px;max-width:960px}
 .doc{border-top:1px solid #ddd;margin-top:10px}.doc .src{color:#777;font-size:12px;margin:0}
 .doctext{font-size:13px;max-width:960px}.doctext pre{white-space:pre-wrap;font-size:12px;
 background:#f6f6f6;padding:6px 8px;border-radius:4px}.doc h3{text-transform:none}
@@ -330,7 +337,8 @@ background:#f6f6f6;padding:6px 8px;border-radius:4px}.doc h3{text-transform:none
 
 
 def _table(rows: Sequence[tuple[str, Any]]) -> Markup:
-    body = join(html("<tr><th>{}</th><td>{}</td></tr>", k, _fmt(v)) for k, v in rows)
+    body = join(html("<tr><th>{}</th><td>{}</td></tr>", k, with_options(_fmt(v)))
+                for k, v in rows)
     return html("<table>{}</table>", body)
 
 
@@ -340,100 +348,9 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _link(target: str, text: str, appendix: DocAppendix) -> Markup:
-    """A docs reference (``docs/vllm-defects.md#anchor``) as a link to its section,
-    copied into the page's appendix; as text when the section cannot be had."""
-    section = appendix.resolve(target.split(" ", 1)[0])
-    if section is None:
-        return html("<code>{}</code>", target)
-    return html('<a href="#{}">{}</a>', section.element_id, text)
-
-
-def _tiles(doc: dict[str, Any]) -> Markup:
-    r, k = doc["requests"], doc["kv_load"]
-    loads = k["blocks_ok"] + k["blocks_failed"]
-    share = k["blocks_failed"] / loads if loads else 0.0
-    stale = doc["verification"]["failed_blocks"]
-    verified = doc["verification"]["verified_tokens"]
-    rec = doc["recomputed_tokens"]
-    injected = _injected(doc.get("config") or {})
-    tiles = [
-        (f"{r['submitted']:,}", f"requests: {r['finished']:,} finished, {r['failed']:,} "
-                                f"failed, {r['aborted']:,} aborted", ""),
-        # Failures the run injected on purpose are its input, not an alarm: shown next
-        # to what was configured, in red only where nothing was injected.
-        (f"{share:.1%}", f"of {loads:,} KV block loads failed ({k['blocks_failed']:,}); "
-                         f"{injected or 'no faults were injected'}",
-         "bad" if k["blocks_failed"] and not injected else ""),
-        (f"{k['failed_requests']:,}", "requests hit by a failed load", ""),
-        (f"{doc['rolled_back_tokens']:,} / {rec['kv_load_failure']:,}",
-         "tokens rolled back / recomputed after failed loads", ""),
-        (f"{stale:,}" if verified else "not verified",
-         "stale KV block reads (verifier)" if verified else "stale reads: run with --verify",
-         "bad" if stale else ("good" if verified else "")),
-    ]
-    return html('<div class="tiles">{}</div>', join(
-        html('<div class="tile {}"><div class="v">{}</div><div class="l">{}</div></div>',
-             cls, v, label) for v, label, cls in tiles))
-
-
-def _injected(config: dict[str, Any]) -> str:
-    """What the run was told to fail, in words ("" when nothing)."""
-    parts = []
-    rate = config.get("fault_rate")
-    if isinstance(rate, int | float) and not isinstance(rate, bool) and rate > 0:
-        parts.append(f"injected: {rate:.1%} of loaded blocks (--fault-rate {rate:g})")
-    if config.get("fault_plan"):
-        parts.append("injected: the fault plan's failures (--fault-plan)")
-    return "; ".join(parts)
-
-
-def _cause_card(c: dict[str, Any], base: DocAppendix) -> Markup:
-    links = []
-    if c.get("docs"):
-        links.append(html("why: {}", _link(c["docs"], c["docs"].split("#")[-1], base)))
-    if c.get("avoid"):
-        links.append(html("avoid it with {}", _link("docs/lab.md#the-command-line",
-                                                    c["avoid"], base)))
-    return html(
-        '<div class="card" data-cause="{cause}"><h4>Stale KV: {title}{unknown}</h4>'
-        '<div class="n">{failed:,} block reads by {requests:,} request(s) in {blocks:,} '
-        "block(s), from step {first}</div><p>{explanation}</p>"
-        '<p class="eg">e.g. {example}</p><p>{links}</p></div>',
-        cause=c["cause"], title=c["cause"].replace("_", " "),
-        unknown="" if c["known"] else " (cause unknown)", failed=c["failed_blocks"],
-        requests=c["requests"], blocks=c["blocks"], first=_fmt(c["first_step"]),
-        explanation=c["explanation"], example=c["example"],
-        links=join(links, " &middot; "))
-
-
-def _violation_card(v: dict[str, Any], base: DocAppendix) -> Markup:
-    if v["kind"] == "invariant":
-        what = f"invariant {v['invariant']} broken ({v['metric']})"
-    else:
-        what = f"{v['reason'].replace('_', '-')} increments of {v['metric']} rejected"
-    who = html(", first request {}", v["first_request"]) if v["first_request"] else ""
-    return html(
-        '<div class="card violation"><h4>{what}</h4><div class="n">{count:,} time(s), '
-        'first at step {first}{who}</div><p class="eg">e.g. {example}</p><p>{docs}</p>'
-        "</div>", what=what, count=v["count"], first=v["first_step"], who=who,
-        example=v["examples"][0] if v["examples"] else "",
-        docs=_link("docs/metrics.md", "what the guard and the invariants check", base))
-
-
-def _cards(doc: dict[str, Any], base: DocAppendix) -> Markup:
-    findings = doc.get("findings") or {}
-    cards = [_cause_card(c, base) for c in findings.get("causes") or ()]
-    cards += [_violation_card(v, base) for v in doc.get("violations") or ()]
-    if not cards:
-        return Markup('<div class="clean">No stale KV read, no guard rejection, no invariant '
-                      "violation.</div>")
-    return html('<div class="cards">{}</div>', join(cards))
-
-
 def _config(config: dict[str, Any]) -> Markup:
     from kvmetrics.lab.config import LabConfig
-    from kvmetrics.lab.replay import RUN_OPTIONS, run_command
+    from kvmetrics.lab.replay import RUN_OPTIONS, run_arguments
 
     groups: dict[str, list[tuple[str, Any]]] = {}
     known = {o.field for o in RUN_OPTIONS}
@@ -447,8 +364,8 @@ def _config(config: dict[str, Any]) -> Markup:
     parts = join(html("<div><h3>{}</h3>{}</div>", name, _table(rows))
                  for name, rows in groups.items())
     fields = {k: v for k, v in config.items() if k in LabConfig.__dataclass_fields__}
-    replay = run_command(LabConfig(**fields))
-    head = html('<p>Replay it: <code class="replay">{}</code></p>', replay) if replay else ""
+    argv = ["kvmetrics", "run", *run_arguments(LabConfig(**fields))]
+    head = html('<p>Replay it: <code class="replay">{}</code></p>', command_markup(argv))
     return html('{}<div class="config">{}</div>', head, parts)
 
 
@@ -473,8 +390,10 @@ def render_report(document: dict[str, Any], docs_dir: Path = DOCS_DIR) -> str:
     tl = _Timeline(document["timeline"])
     base = DocAppendix(docs_dir)
     try:
-        tiles, cards = _tiles(document), _cards(document, base)
+        banner, headline = verdict_banner(document), tiles(document)
+        found = cards(document, base)
         rows, config = summary_rows(document), _config(document.get("config") or {})
+        notes = join(html('<p class="note">{}</p>', line) for line in footnotes(document))
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise ReportInputError(f"the run document is malformed ({type(e).__name__}: "
                                f"{str(e)[:80]})") from None
@@ -498,10 +417,10 @@ def render_report(document: dict[str, Any], docs_dir: Path = DOCS_DIR) -> str:
         "<title>kvmetrics run report</title>",
         html("<style>{}</style></head><body>", Markup(CSS)),
         "<h1>kvmetrics run report</h1>", html('<p class="meta">{}</p>', meta),
-        tiles,
-        '<h2 id="findings">Findings</h2>', cards,
+        banner, headline,
+        '<h2 id="findings">Findings</h2>', found,
         '<h2 id="charts">Over the run</h2>', '<div class="grid">', *figures, "</div>",
-        '<h2 id="summary">Summary</h2>', _table(rows),
+        '<h2 id="summary">Summary</h2>', _table(rows), notes,
         '<h2 id="configuration">Configuration</h2>', config,
         render_appendix(base, __version__),
         "</body></html>", ""])

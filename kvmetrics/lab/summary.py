@@ -4,6 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvmetrics.lab.verdict import (
+    FAIL,
+    PASS,
+    faults_text,
+    injected_rate,
+    policy_text,
+    recompute_note,
+    recovery_text,
+    verdict,
+)
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.text import escape_for_display
 from kvmetrics.metrics.totals import Totals
@@ -64,22 +74,49 @@ def build_summary(totals: Totals, *, engine: str, submitted: int, wall_seconds: 
     }
 
 
+def _hits(source: dict[str, Any]) -> str:
+    """A source's prefix-cache hits, first admissions (the ratio the dashboards show) and
+    re-admissions apart: loads happen on both, so a run whose loads all came from
+    re-admissions shows 0 hits on first admission next to its loaded blocks."""
+    repeat = source["repeat"]
+    again = (f", {repeat['hit_tokens']}/{repeat['query_tokens']} on re-admission"
+             if repeat["query_tokens"] else "")
+    return (f"{source['hit_tokens']}/{source['query_tokens']} tokens on first admission "
+            f"({source['hit_ratio']:.4f}){again}")
+
+
+def _loads(summary: dict[str, Any], config: dict[str, Any] | None) -> str:
+    k = summary["kv_load"]
+    loaded = k["blocks_ok"] + k["blocks_failed"]
+    share = f"{k['blocks_failed'] / loaded:.1%} of loaded blocks" if loaded else "none loaded"
+    injected = f"; {injected_rate(config)}" if config is not None else ""
+    return (f"{k['blocks_ok']} ok, {k['blocks_failed']} failed ({share}{injected}); "
+            f"{k['failed_requests']} requests hit")
+
+
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """The summary as (name, value) rows: the text table's and the HTML report's."""
-    r, p, k = summary["requests"], summary["prefix_cache"], summary["kv_load"]
-    return [
-        ("engine", summary["engine"]),
+    """The summary as (name, value) rows: the text table's and the HTML report's. With
+    the run's ``config`` (a run document), the faults injected and the recovery run are
+    repeated next to the figures they shape."""
+    r, p = summary["requests"], summary["prefix_cache"]
+    config = summary.get("config")
+    recomputed = summary["recomputed_tokens"]
+    rows = [("engine", str(summary["engine"]))]
+    if config is not None:
+        rows += [("faults injected", faults_text(config)),
+                 ("failure policy", policy_text(config)),
+                 ("recovery path", recovery_text(config))]
+    rows += [
         ("requests", f"{r['submitted']} submitted, {r['finished']} finished, "
                      f"{r['failed']} failed, {r['aborted']} aborted"),
-        ("local prefix hits", f"{p['local']['hit_tokens']}/{p['local']['query_tokens']} tokens "
-                              f"({p['local']['hit_ratio']:.4f})"),
-        ("external hits", f"{p['external']['hit_tokens']}/{p['external']['query_tokens']} "
-                          f"tokens ({p['external']['hit_ratio']:.4f})"),
-        ("KV load blocks", f"{k['blocks_ok']} ok, {k['blocks_failed']} failed "
-                           f"({k['failed_requests']} requests hit)"),
-        ("rolled back tokens", str(summary["rolled_back_tokens"])),
-        ("recomputed tokens", ", ".join(f"{v} {c}" for c, v in
-                                        summary["recomputed_tokens"].items())),
+        ("local prefix hits", _hits(p["local"])),
+        ("external hits", _hits(p["external"])),
+        ("KV load blocks", _loads(summary, config)),
+        ("rolled back tokens", f"{summary['rolled_back_tokens']} computed tokens taken "
+                               "back after failed loads"),
+        ("recomputed tokens", f"{recomputed['kv_load_failure']} after failed loads"
+                              f"{'*' if recompute_note(summary) else ''}, "
+                              f"{recomputed['preemption']} after preemption"),
         ("evicted blocks", ", ".join(f"{v} {c}" for c, v in summary["evicted_blocks"].items())),
         ("preemptions", str(summary["preemptions"])),
         ("guard rejected increments", str(summary["guard_rejected_increments"])),
@@ -88,6 +125,13 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                             f"({summary['verification']['failed_blocks']} stale block reads)"),
         ("steps / wall time", f"{summary['steps']} / {summary['wall_seconds']:.2f} s"),
     ]
+    return rows
+
+
+def footnotes(summary: dict[str, Any]) -> list[str]:
+    """Sentences for the figures marked ``*`` in the rows (empty when none is)."""
+    note = recompute_note(summary)
+    return [f"* {note}"] if note else []
 
 
 def explanation_lines(summary: dict[str, Any]) -> list[str]:
@@ -120,20 +164,31 @@ def explanation_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def render_table(summary: dict[str, Any], rich: bool = False) -> str:
-    """A compact human table of the summary (the JSON form has every field), then what
-    the findings and violations mean. ``rich``: box-drawn, for a terminal."""
+    """A compact human table of the summary (the JSON form has every field), the notes
+    on its starred figures, what the findings and violations mean, and last the
+    verdict. ``rich``: box-drawn, for a terminal. ``summary`` may be the run document
+    (with ``config``): the table then repeats the faults injected and the recovery."""
     # A run file's text (an engine name, a request id) is shown by the one escaping rule:
     # no control byte or bidi override reaches the terminal.
     rows = [(name, escape_for_display(str(value))) for name, value in summary_rows(summary)]
+    starred = [escape_for_display(line) for line in footnotes(summary)]
     notes = [escape_for_display(line) for line in explanation_lines(summary)]
+    judged = verdict(summary)
+    line = escape_for_display(judged.line)
     if rich:
-        return _rich_table(rows, notes)
+        return _rich_table(rows, starred, notes, line, judged.status)
     width = max(len(name) for name, _ in rows)
     text = "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
-    return text + ("\n\n" + "\n".join(notes) if notes else "")
+    return "\n\n".join(part for part in (text, "\n".join(starred), "\n".join(notes), line)
+                       if part)
 
 
-def _rich_table(rows: list[tuple[str, str]], notes: list[str]) -> str:
+#: The verdict's colour on a terminal.
+VERDICT_STYLES = {PASS: "bold green", FAIL: "bold red"}
+
+
+def _rich_table(rows: list[tuple[str, str]], starred: list[str], notes: list[str],
+                line: str, status: str) -> str:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -144,9 +199,15 @@ def _rich_table(rows: list[tuple[str, str]], notes: list[str]) -> str:
     for name, value in rows:
         table.add_row(name, Text(value))  # Text: a "[red]" in a value is not markup
     console = Console(record=True, width=120, force_terminal=True)
+    plain = {"highlight": False, "markup": False}
     with console.capture() as capture:
         console.print(table)
-        for line in notes:
-            console.print(line, style="red" if not line.startswith(" ") else None,
-                          highlight=False, markup=False)
+        for note in starred:
+            console.print(note, style="dim", **plain)
+        if notes:
+            console.print()
+        for note in notes:
+            console.print(note, style="red" if not note.startswith(" ") else None, **plain)
+        console.print()
+        console.print(line, style=VERDICT_STYLES.get(status, "bold yellow"), **plain)
     return capture.get().rstrip("\n")
