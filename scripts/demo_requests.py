@@ -140,15 +140,16 @@ def main() -> int:
                        "temperature": 0, "ignore_eos": True,
                        "return_token_ids": True}).encode()
     try:
-        _check_log_claims_the_page()
         before = _total(_samples(_call("/metrics", METRICS_PORT)), FINISHED)
-    except PageRefused as e:
-        print(f"demo_requests: {e}", file=sys.stderr)
-        return 1
     except (urllib.error.URLError, OSError, ValueError) as e:
         print(f"demo_requests: no kvmetrics page on 127.0.0.1:{METRICS_PORT} ({e}); start "
               "the server with bash scripts/demo-vllm-serve.sh", file=sys.stderr)
         return 2
+    try:
+        _check_log_claims_the_page()
+    except PageRefused as e:
+        print(f"demo_requests: {e}", file=sys.stderr)
+        return 1
     try:
         first = json.loads(_call("/v1/completions", PORT, body))["choices"][0]["token_ids"]
         _call("/reset_prefix_cache", PORT, b"")
