@@ -32,10 +32,31 @@ for venv in .venv .venv-vllm-cpu; do
   fi
 done
 
+# Both ports free before a minute of start-up: a second demo server on the first one's
+# ports would serve an API that fails to bind, or an engine whose kvmetrics page is the
+# first server's (the engine runs on without its endpoint when the port is taken).
+for name in PORT METRICS_PORT; do
+  port=${!name}
+  if ! [[ $port =~ ^[0-9]+$ ]] || (( port < 1 || port > 65535 )); then
+    echo "demo-vllm-serve: $name must be a port number from 1 to 65535, got '$port'" >&2
+    exit 2
+  fi
+  if ! "$ROOT/.venv/bin/python" -c 'import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))' "$port" 2>/dev/null; then
+    echo "demo-vllm-serve: 127.0.0.1:$port ($name) is taken (another demo server?): stop" \
+         "it, or start this one with another $name and its own SERVE_LOG" >&2
+    exit 2
+  fi
+done
+
 "$ROOT/.venv/bin/python" -m kvmetrics demo-model "$MODEL_DIR"
 mkdir -p "$STORE_DIR"
-echo "demo-vllm-serve: API on http://127.0.0.1:$PORT, kvmetrics on" \
-     "http://127.0.0.1:$METRICS_PORT/metrics, connector store in $STORE_DIR" >&2
+# The kvmetrics endpoint is announced by the engine itself, once bound:
+# "kvmetrics: serving metrics on http://127.0.0.1:$METRICS_PORT/metrics".
+echo "demo-vllm-serve: starting vLLM: API on http://127.0.0.1:$PORT once ready, kvmetrics" \
+     "asked to serve on 127.0.0.1:$METRICS_PORT, connector store in $STORE_DIR" >&2
 
 if ! [[ $FAULT_LOADS =~ ^([0-9]+(,[0-9]+)*)?$ ]]; then
   echo "demo-vllm-serve: FAULT_LOADS must be load numbers separated by commas, got '$FAULT_LOADS'" >&2
@@ -47,8 +68,8 @@ export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export VLLM_SERVER_DEV_MODE=1   # POST /reset_prefix_cache, to force a load through the connector
 export KVMETRICS_METRICS_ADDR=127.0.0.1:$METRICS_PORT KVMETRICS_MODEL_NAME=tiny
-# `python -m vllm.entrypoints.openai.api_server`: the `vllm` console script of this build
-# fails to start.
+# The API server module, what `vllm serve` runs: it starts in any .venv-vllm-cpu, also
+# one installed before its `vllm` command was fixed (scripts/install-vllm-cpu.sh).
 exec "$ROOT/.venv-vllm-cpu/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$MODEL_DIR" --served-model-name tiny --host 127.0.0.1 --port "$PORT" \
   --skip-tokenizer-init --enforce-eager --dtype float32 --block-size 32 --max-model-len 448 \

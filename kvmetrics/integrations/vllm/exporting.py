@@ -33,7 +33,9 @@ KVMETRICS_METRICS_PORT_FILE -                   write the port bound there (for
 
 An unknown key under ``additional_config["kvmetrics"]`` stops the engine at startup
 with one line naming it: a misspelt ``recovery`` must not leave a replica silently
-unprotected. So do a ``model_name`` or ``engine`` that cannot be a label value (not
+unprotected. So do a ``metrics_addr`` that is not ``HOST:PORT`` (an operator who
+typed ``http://host:9401`` must learn it at once, not find an engine that exports
+nothing), a ``model_name`` or ``engine`` that cannot be a label value (not
 UTF-8, too long, a control or bidirectional-override character: every scrape would
 fail, or a dashboard show spoofed text) and TLS files that cannot be loaded (the
 operator asked for an encrypted endpoint; serving none, or plain HTTP, would be a lie).
@@ -44,6 +46,13 @@ is made a valid label instead (:func:`~kvmetrics.metrics.labels.model_label`): a
 snapshot path as its repository id, any other too-long value as its last path
 components and a hash.
 
+An address that is well formed but cannot be bound (a port in use, a privileged
+port, a host name that does not resolve) is another matter: it can be a transient
+clash on a shared host, and the engine serves requests either way. It gets one error
+line naming the address and the reason, and the engine runs on without the endpoint;
+nothing announces an endpoint before it is bound (the "serving metrics on" line and
+the port file come after the bind).
+
 With ``PROMETHEUS_MULTIPROC_DIR`` set the values are written to that shared
 directory instead (the one vLLM's API server reads when it is set before
 ``vllm serve`` starts), and no endpoint of our own is started unless
@@ -53,6 +62,7 @@ directory instead (the one vLLM's API server reads when it is set before
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -111,10 +121,13 @@ SETTING_KEYS = ("metrics_addr", "model_name", "engine", "strict", "otlp_endpoint
 
 def check_setting_keys(vllm_config: Any) -> None:
     """Raise ValueError (one line) for a setting that cannot work: a key of
-    ``additional_config["kvmetrics"]`` that kvmetrics does not know, a label value that
-    cannot be served, or TLS files that cannot be loaded."""
+    ``additional_config["kvmetrics"]`` that kvmetrics does not know, a metrics address
+    that is not ``HOST:PORT``, a label value that cannot be served, or TLS files that
+    cannot be loaded."""
     _check_keys(vllm_config)
     settings = settings_for(vllm_config)
+    if settings.metrics_addr is not None:
+        check_metrics_addr(settings.metrics_addr, _addr_setting_name(vllm_config))
     check_label_value("kvmetrics model_name (KVMETRICS_MODEL_NAME)", settings.model_name)
     check_label_value("kvmetrics engine (KVMETRICS_ENGINE)", settings.engine)
     if settings.tls is not None:
@@ -122,6 +135,41 @@ def check_setting_keys(vllm_config: Any) -> None:
             raise ValueError("kvmetrics TLS settings given, but no kvmetrics endpoint is "
                              "served (KVMETRICS_METRICS_ADDR is off or multiprocess mode)")
         tls_context(settings.tls)  # TLSConfigError, a ValueError: one line
+
+
+#: A host as ``HOST:PORT`` may carry it: a name or IPv4 address, or an IPv6 address
+#: (bracketed, or bare as :func:`parse_host_port` reads it). A scheme or a path is not.
+_HOST = re.compile(r"[A-Za-z0-9._-]*|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]+")
+_SHOWN_CHARS = 80
+
+
+def check_metrics_addr(value: Any, setting: str = "KVMETRICS_METRICS_ADDR") -> None:
+    """Raise ValueError, one line naming ``setting``, the value (cut to 80 characters)
+    and the form expected, unless ``value`` is ``HOST:PORT`` with a port of 0-65535."""
+    text = value if isinstance(value, str) else None
+    try:
+        if text is None:
+            raise ValueError("not a string")
+        host = text.rpartition(":")[0]
+        parse_host_port(text)
+        if not _HOST.fullmatch(host):
+            raise ValueError("not a host")
+    except ValueError:
+        shown = str(value)
+        if len(shown) > _SHOWN_CHARS:
+            shown = shown[:_SHOWN_CHARS] + "..."
+        raise ValueError(f"kvmetrics: {setting}={shown!r} is not an address to serve metrics "
+                         "on: expected HOST:PORT with a port from 0 to 65535 (e.g. "
+                         "127.0.0.1:9401, 0.0.0.0:9401, [::1]:9401), or off") from None
+
+
+def _addr_setting_name(vllm_config: Any) -> str:
+    """Where the metrics address in force comes from, named as the operator set it."""
+    extra = getattr(vllm_config, "additional_config", None)
+    ours = extra.get("kvmetrics") if isinstance(extra, dict) else None
+    if isinstance(ours, dict) and "metrics_addr" in ours:
+        return "additional_config.kvmetrics.metrics_addr"
+    return "KVMETRICS_METRICS_ADDR"
 
 
 def _check_keys(vllm_config: Any) -> None:
@@ -271,13 +319,34 @@ def build_exporter(settings: ExportSettings) -> Exporter:
     exporter = Exporter(pipeline, sink, otel_provider=provider)
     try:
         where = endpoint_for(settings)
-        if where is not None:
-            exporter.server = serve(sink.serving_registry(), *where, tls=settings.tls)
-            log.info("kvmetrics: serving metrics on %s://%s:%d/metrics",
-                     "https" if settings.tls else "http",
-                     exporter.server.host, exporter.server.port)
-            _write_port_file(exporter.server.port)
-    except Exception:
-        log.exception("kvmetrics: cannot serve metrics on %s; continuing without an endpoint",
-                      settings.metrics_addr)
+    except ValueError as e:  # refused at startup by check_setting_keys; built directly here
+        log.error("kvmetrics: %s; this engine runs on without a kvmetrics endpoint", e)
+        where = None
+    if where is not None:
+        exporter.server = _bind(sink, where, settings.tls)
     return exporter
+
+
+def _bind(sink: PrometheusSink, where: tuple[str, int],
+          tls: TLSOptions | None) -> MetricsServer | None:
+    """The endpoint, announced (log line, port file) only once it is bound; None, with
+    one error line naming the address and the reason, when it cannot be bound."""
+    host, port = where
+    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        server = serve(sink.serving_registry(), host, port, tls=tls)
+    except (OSError, OverflowError) as e:  # in use, not allowed, no such host, port > 65535
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        # socket.create_server repeats the address after the reason: said once is enough.
+        reason = reason.split(" (while attempting to bind", 1)[0]
+        log.error("kvmetrics: cannot serve metrics on %s: %s; this engine runs on without a "
+                  "kvmetrics endpoint (free it, or set KVMETRICS_METRICS_ADDR to one it can "
+                  "bind)", shown, reason)
+        return None
+    except Exception:  # a fault of kvmetrics' own: its traceback is the report
+        log.exception("kvmetrics: cannot serve metrics on %s; this engine runs on without a "
+                      "kvmetrics endpoint", shown)
+        return None
+    log.info("kvmetrics: serving metrics on %s", server.url)
+    _write_port_file(server.port)
+    return server

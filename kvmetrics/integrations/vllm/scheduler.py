@@ -43,6 +43,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from kvmetrics.integrations.vllm import fingerprints, hooks, owncost, step_end
+from kvmetrics.integrations.vllm.base_choice import log_scheduler_base
 from kvmetrics.integrations.vllm.event_hooks import EventHooks, _guarded
 from kvmetrics.integrations.vllm.exporting import (
     LOGGER,
@@ -183,6 +184,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
         if self.kvmetrics_broken_hooks:
             # Visible on the endpoint from the start, before any request.
             self._kv_record(StepEvents(step=0))
+        log_scheduler_base(self)  # answers vLLM's "degraded performance" warning
 
     @property
     def kvmetrics_protecting(self) -> bool:
