@@ -60,3 +60,14 @@ def test_the_scan_finds_a_stale_range_and_passes_the_right_one() -> None:
     assert stale_ranges("vLLM 0.27-0.34", 28, 34) == ["0.27-0.34"]
     assert stale_ranges("vLLM 0.28 to 0.34, 0.28.0 to 0.34.0, 0.32-0.34, 0.28-0.9 %",
                         28, 34) == []
+
+
+#: What an operator must read to deploy: the README, the user guide and the runbook.
+OPERATOR_DOCS = ("README.md", "docs/user-guide.md", "docs/runbook.md")
+OPERATOR_DOCS_MAX_LINES = 900
+
+
+def test_the_docs_an_operator_must_read_stay_within_their_budget() -> None:
+    lines = {name: len((ROOT / name).read_text(encoding="utf-8").splitlines())
+             for name in OPERATOR_DOCS}
+    assert sum(lines.values()) < OPERATOR_DOCS_MAX_LINES, lines
