@@ -258,7 +258,7 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
     # The periodic gauge read is due by wall time (0.25 s); kvmetrics runs two steps in
     # len(MODES) here, so its floor is stretched by as much: a read per as many
     # kvmetrics steps as under ``vllm serve``.
-    sched._kv_read_gap_ns = round(sched._kv_read_gap_ns * len(MODES) / len(KVMETRICS))
+    sched._kv.read_gap_ns = round(sched._kv.read_gap_ns * len(MODES) / len(KVMETRICS))
     switch = Switch(sched)
     base = switch.base
 
@@ -288,17 +288,22 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
 
     # The counter's timed part, summed as it is counted (outside the refills).
     timed_ns = [0.0]
-    counted_timed = sched._kv_timed
+    kv = sched._kv
 
-    def counting_timed(ns: int) -> None:
-        if measuring:
-            timed_ns[0] += ns + sched._kv_clock_ns
-        counted_timed(ns)
+    class CountingState(type(kv)):  # type: ignore[misc]
+        """The scheduler's state, summing what it counts as timed while measuring."""
 
-    sched._kv_timed = counting_timed
+        __slots__ = ()
+
+        def timed(self, ns: int) -> None:
+            if measuring:
+                timed_ns[0] += ns + self.clock_ns
+            super().timed(ns)
+
+    kv.__class__ = CountingState
     measuring = False
 
-    next_functions = (sched._kv_next_schedule, sched._kv_next_update)
+    next_functions = (sched._kv.next_schedule, sched._kv.next_update)
     if next_functions != (base.schedule, base.update_from_output):
         raise RuntimeError("the benchmark expects kvmetrics' overrides to call vLLM's "
                            "methods directly (the protective mode off)")
@@ -345,9 +350,9 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
             for mode in rng.sample(MODES, len(MODES)):
                 switch.set(mode)
                 if mode == "kvmetrics-inner":
-                    sched._kv_next_schedule, sched._kv_next_update = inner_schedule, inner_update
+                    sched._kv.next_schedule, sched._kv.next_update = inner_schedule, inner_update
                 elif switch.on:
-                    sched._kv_next_schedule, sched._kv_next_update = next_functions
+                    sched._kv.next_schedule, sched._kv.next_update = next_functions
                 if switch.on:
                     schedule, update = type(sched).schedule, type(sched).update_from_output
                 elif mode == "frame":
@@ -356,7 +361,7 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
                     schedule, update = inner_schedule, inner_update
                 else:
                     schedule, update = base.schedule, base.update_from_output
-                timed0 = sched.kvmetrics_cpu_ns + sched._kv_cpu_ns
+                timed0 = sched.kvmetrics_cpu_ns + sched._kv.cpu_ns
                 t0 = thread_time_ns()
                 out = schedule(sched)
                 t1 = thread_time_ns()
@@ -366,13 +371,13 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
                 t3 = thread_time_ns()
                 spent[mode].append(((t1 - t0) + (t3 - t2)) / 1e3)
                 if switch.on:
-                    busy[mode].append(sched.kvmetrics_cpu_ns + sched._kv_cpu_ns != timed0)
+                    busy[mode].append(sched.kvmetrics_cpu_ns + sched._kv.cpu_ns != timed0)
                 if mode in inside:
                     inside[mode].append(inside_ns[0] / 1e3)
                 done += 1
         switch.set("kvmetrics")
         measuring = False
-        sched._kv_next_schedule, sched._kv_next_update = next_functions
+        sched._kv.next_schedule, sched._kv.next_update = next_functions
         reported_ns += (sched.kvmetrics_cpu_seconds - cpu0) * 1e9
         evict_calls += sched._kv.evict_calls - calls0
     finally:
@@ -413,8 +418,8 @@ def measure(n: int, cycles: int, refill_every: int = 900) -> AddedCost:
     return AddedCost(n, cycles, scale, versus("control"), stats, versus("frame"),
                      # (the counter, and the wrapper's calls, run in both kvmetrics modes)
                      added, minus, reported_ns / 1e3 / cycles / len(KVMETRICS),
-                     sched._kv_samples.step_ns() / 1e3,
-                     sched._kv_cal.evict_ns * evict_calls / 1e3 / cycles / len(KVMETRICS),
+                     sched._kv.samples.step_ns() / 1e3,
+                     sched._kv.cal.evict_ns * evict_calls / 1e3 / cycles / len(KVMETRICS),
                      timed_ns[0] / 1e3 / cycles / len(KVMETRICS),
                      sum(busy["kvmetrics"]) / cycles, busy_part, inside_est, outside_est)
 

@@ -68,6 +68,19 @@ class MetricsPipeline:
         for (name, values), amount in self.totals.series().items():
             self._safely(sink, "inc", cat.spec(name), self.common + values, amount)
 
+    def make_absent(self, families: Collection[str]) -> None:
+        """Take ``families`` off from now on (a hook that failed at run time): their
+        series leave every sink that can drop them and the totals, as if they had been
+        absent from the start, rather than staying frozen at their last value."""
+        new = frozenset(families) - self.absent
+        if not new:
+            return
+        self.absent |= new
+        self.totals.drop(new)
+        for sink in self.sinks:
+            if hasattr(sink, "drop_families"):
+                self._safely(sink, "drop_families", self.common, new)
+
     def record(self, events: StepEvents) -> None:
         """Apply one step's events. Safe to call from inside an engine loop."""
         step = events.step
