@@ -231,7 +231,8 @@ class PrometheusSink:
         HELP and TYPE stay, with no sample: as a family that never counted)."""
         for key in [k for k in self._children if k[0] in names and k[1][:len(common)] == common]:
             del self._children[key]
-            self._series[key[0]] -= 1
+            if key[0] in self._series:  # (the overflow family counts no series)
+                self._series[key[0]] -= 1
             metric = self._metrics.get(key[0])
             if metric is not None:
                 metric.remove(*key[1])

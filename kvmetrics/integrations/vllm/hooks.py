@@ -77,8 +77,10 @@ _LOOKUPS = (cat.PREFIX_CACHE_QUERY_TOKENS.name, cat.PREFIX_CACHE_HIT_TOKENS.name
             cat.PROMPT_TOKENS.name)
 _RECOVERY = (cat.ROLLED_BACK_TOKENS.name, cat.KV_LOAD_FAILED_REQUESTS.name,
              cat.RECOMPUTED_TOKENS.name)
-#: kvmetrics' own health (errors, CPU time) is never switched off by a broken hook.
-_OWN = (cat.INSTRUMENTATION_ERRORS, cat.INSTRUMENTATION_CPU)
+#: kvmetrics' own health (errors, CPU time) and its exporter's (series dropped for
+#: their labels, unreadable multiprocess files) are never switched off by a broken hook.
+_OWN = (cat.INSTRUMENTATION_ERRORS, cat.INSTRUMENTATION_CPU, cat.SERIES_OVERFLOW,
+        cat.SCRAPE_ERRORS)
 _GAUGES = (cat.KV_CACHE_USAGE.name, cat.KV_CACHE_BLOCKS.name, cat.REQUESTS.name)
 _EVERY = tuple(s.name for s in cat.COUNTERS if s not in _OWN) + (
     cat.RECOVERY_DURATION.name,) + _GAUGES

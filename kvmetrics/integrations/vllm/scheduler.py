@@ -278,7 +278,9 @@ class InstrumentedMixin(StepEnd, EventHooks):
                     own += perf_counter_ns() - t0
         except Exception:
             report_fault(self, OUTPUT_HOOK)
-            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+            result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+            self._kv_publish_fault()
+            return result
         if off:
             return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
         if vllm_update is not None:
@@ -295,6 +297,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
                 kv.samples.add(1, own + perf_counter_ns() - t0, 3)
         except Exception:
             report_fault(self, OUTPUT_HOOK)
+            self._kv_publish_fault()
             return result
         if not eventless or not step % 32:  # step_end.GAUGE_EVERY
             self._kv_end_step(step, eventless)

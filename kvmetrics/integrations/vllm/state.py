@@ -104,7 +104,10 @@ class InstrumentState(StepRecorder):
     def fault(self, hook: str, problem: str | None = None, turn_off: bool = True) -> None:
         """``hook`` cannot be used (``problem``, at construction) or raised (the
         exception being handled): count it, log its first fault, turn it off (unless
-        ``turn_off`` is False: a drift that lost nothing, see step_end)."""
+        ``turn_off`` is False: a drift that lost nothing, see step_end). A hook already
+        off is not counted again: its families are off the page, its fault on record."""
+        if hook in self.off:
+            return
         self.errors[hook] = self.errors.get(hook, 0) + 1
         self.must_record = True  # reported with this step
         families = self.disable(hook) if turn_off else frozenset()

@@ -114,12 +114,7 @@ class StepEnd:
             raise
         except Exception:
             report_fault(self, OUTPUT_HOOK)  # every family leaves the page with it
-            try:
-                self._kv_record(StepEvents(step=step))  # the fault reaches the page
-            except CounterViolationError:
-                raise
-            except Exception:
-                log.exception("kvmetrics could not record its own fault at step %d", step)
+            self._kv_publish_fault()
         finally:
             kv.timed(thread_time_ns() - start)
 
@@ -154,6 +149,16 @@ class StepEnd:
         ev = kv.events
         return bool(ev.increments or ev.rollbacks or ev.discarded_tokens
                     or ev.recovery_seconds is not None or kv.errors)
+
+    def _kv_publish_fault(self) -> None:
+        """Record a step that holds only the faults counted so far: the output hook that
+        records steps may be off from now on, and the fault must still reach the page."""
+        try:
+            self._kv_record(StepEvents(step=self._kv.step))
+        except CounterViolationError:
+            raise
+        except Exception:
+            log.exception("kvmetrics could not record its own fault; the engine continues")
 
     def _kv_record(self, events: StepEvents) -> None:
         """Hand a step's events on: families of hooks that are off leave the page (at
