@@ -216,13 +216,16 @@ def families_on(page: str) -> set[str]:
     return on
 
 
-def errors_on(page: str) -> dict[str, float]:
+def errors_on(page: str, family: cat.MetricSpec = cat.INSTRUMENTATION_ERRORS,
+              ) -> dict[str, float]:
+    """The non-zero series of a family with one label of its own (``hook``, ``check``)."""
+    label = next(iter(family.labels))
     out = {}
     for line in page.splitlines():
-        if line.startswith(cat.INSTRUMENTATION_ERRORS.name + "{"):
-            hook = line.split('hook="')[1].split('"')[0]
-            if float(line.rsplit(" ", 1)[1]):
-                out[hook] = float(line.rsplit(" ", 1)[1])
+        if line.startswith(family.name + "{"):
+            value = float(line.rsplit(" ", 1)[1])
+            if value:
+                out[line.split(f'{label}="')[1].split('"')[0]] = value
     return out
 
 
@@ -256,6 +259,7 @@ def test_a_hostile_hook_never_reaches_vllm_and_takes_its_families_off(
     plain, instrumented, _ = clean(workload)
     assert instrumented["outcomes"] == plain["outcomes"]
     assert errors_on(instrumented["page"]) == {}
+    assert errors_on(instrumented["page"], cat.SELF_CHECK_FAILURES) == {}
     ARMING.target = hook
     try:
         with hostile_classes(monkeypatch), kvmetrics_log() as logged:

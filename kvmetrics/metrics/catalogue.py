@@ -102,6 +102,7 @@ SELF_CHECKS = (
     "requests_running",                # len(running) vs vLLM's get_request_counts()
     "requests_waiting",                # kvmetrics' walk of vLLM's waiting queues vs vLLM's
     "requests_waiting_for_remote_kv",  # requests awaiting remote KV <= vLLM's waiting count
+    "requests_finished",               # requests vLLM freed whose finish kvmetrics counted
 )
 
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one

@@ -74,7 +74,6 @@ from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = logging.getLogger(LOGGER)
 
-_SCHEDULE_HOOK = SCHEDULE_HOOK
 # The overrides test the step count against literals (a constant is read from the code
 # object, a module global from the module's dict: one cold cache line fewer per step).
 if (owncost.SAMPLE_EVERY, owncost.SAMPLE_PHASE, GAUGE_EVERY) != (64, 20, 32):
@@ -240,7 +239,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
             if sampled:
                 own = perf_counter_ns() - t0
         except Exception:
-            report_fault(self, _SCHEDULE_HOOK)
+            report_fault(self, SCHEDULE_HOOK)
             return super().schedule(*args, **kwargs)  # type: ignore[misc]
         # The usual call without re-packing arguments; any other through super().
         out = (vllm_schedule(self) if vllm_schedule is not None
@@ -252,10 +251,10 @@ class InstrumentedMixin(StepEnd, EventHooks):
             if sampled:
                 kv.samples.add(0, own + perf_counter_ns() - t0, 2)
         except Exception:
-            report_fault(self, _SCHEDULE_HOOK)
+            report_fault(self, SCHEDULE_HOOK)
             return out
         if pending:
-            guarded(self, _SCHEDULE_HOOK, _after_schedule, out)
+            guarded(self, SCHEDULE_HOOK, _after_schedule, out)
         return out
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:

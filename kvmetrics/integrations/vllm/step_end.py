@@ -23,6 +23,8 @@ from kvmetrics.metrics.guard import CounterViolationError
 
 log = logging.getLogger(LOGGER)
 
+FREE_HOOK = "scheduler._free_request"
+
 #: The pool audit walks every block (O(blocks)), so it runs on every step that ran the
 #: recovery path and otherwise with the first gauge read once
 #: ``max(POOL_AUDIT_EVERY, blocks // POOL_AUDIT_BLOCKS)`` steps have passed since the
@@ -125,7 +127,7 @@ class StepEnd:
             kv.fault(OUTPUT_HOOK, turn_off=False)
         events = kv.take_step(step)
         try:
-            self._kv_gauges(kv, events)
+            self._kv_gauges(kv, events, periodic)
         except Exception:
             kv.fault(GAUGES_HOOK)
             events.gauges = events.pool = None
@@ -189,12 +191,15 @@ class StepEnd:
             log.exception("kvmetrics failed to record step %d; the engine continues",
                           events.step)
 
-    def _kv_gauges(self, kv: InstrumentState, events: StepEvents) -> None:
+    def _kv_gauges(self, kv: InstrumentState, events: StepEvents, periodic: bool) -> None:
         if kv.holding_attr is None:
             return  # the gauges are off: reported once, gauges absent
         me: Any = self
         step = kv.step
         events.gauges = kv.self_checks.gauges(me, kv.holding_attr, step, events)
+        if periodic and FREE_HOOK not in kv.off:
+            for rid in kv.self_checks.unseen_finishes(events, kv.requests, me.requests):
+                kv.forget(rid)
         pool = me.kv_cache_manager.block_pool
         if step < kv.audit_next and events.recovery_seconds is None:
             return
