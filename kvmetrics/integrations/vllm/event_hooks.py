@@ -4,7 +4,8 @@ Preemptions, finishes and the recovery path (failed KV loads) happen on a small 
 of steps. Each hook is declared as an :class:`~.observe.Override` from its observers
 (functions of vLLM's raw arguments that run inside the guard), so vLLM's method is
 called once, as vLLM called it, and nothing kvmetrics evaluates can raise into it.
-Each observer is timed every time it runs (:mod:`.owncost`).
+Each observer is timed every time it runs (:mod:`.owncost`). Each recovery call is
+also cross-checked against vLLM's own count of failed requests (:mod:`.recovery_check`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
+from kvmetrics.integrations.vllm import recovery_check
 from kvmetrics.integrations.vllm.hooks import argument
 from kvmetrics.integrations.vllm.observe import Override, guarded
 from kvmetrics.integrations.vllm.state import OUTPUT_HOOK, InstrumentState
 from kvmetrics.metrics.events import StepEvents
+
+_ROLLBACK_HOOK = "scheduler._update_requests_with_invalid_blocks"
 
 # -- observers: (kv, scheduler, args, kwargs) before, (..., seen, args, kwargs, result)
 # after vLLM's method ------------------------------------------------------------------
@@ -41,12 +45,18 @@ def _finishing(kv: InstrumentState, sched: Any, args: tuple[Any, ...],
 
 def _recovery_start(kv: InstrumentState, sched: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> float:
+    kv.recovery_tally = recovery_check.begin()
     return time.perf_counter()
 
 
 def _recovery_end(kv: InstrumentState, sched: Any, start: float, args: tuple[Any, ...],
                   kwargs: dict[str, Any], result: Any) -> None:
-    kv.recovery_time(time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    recovery_check.end()
+    tally, kv.recovery_tally = kv.recovery_tally, None
+    kv.recovery_time(seconds)
+    if tally is not None and result is not None and _ROLLBACK_HOOK not in kv.off:
+        kv.self_checks.compare(kv.events, recovery_check.CHECK, tally.ours, tally.vllms)
 
 
 def _computed_counts(kv: InstrumentState, sched: Any, args: tuple[Any, ...],
@@ -62,7 +72,10 @@ def _rolled_back(kv: InstrumentState, sched: Any, before: dict[str, int],
     num_scheduled: dict[str, int] = argument(args, kwargs, 2, "num_scheduled_tokens", {})
     mode = "sync" if argument(args, kwargs, 3, "evict_blocks", True) else "async"
     requests = sched.requests
+    tally = kv.recovery_tally
     for rid in result[0]:
+        if tally is not None:
+            tally.ours += 1
         scheduled = num_scheduled.get(rid, 0)
         kv.rolled_back(mode, rid, before[rid] - scheduled,
                        requests[rid].num_computed_tokens, scheduled)
@@ -99,8 +112,8 @@ class EventHooks:
     # Timed around vLLM's whole recovery path, also when it raised.
     _handle_invalid_blocks = Override("scheduler._handle_invalid_blocks",
                                       _recovery_start, _recovery_end, always=True)
-    _update_requests_with_invalid_blocks = Override(
-        "scheduler._update_requests_with_invalid_blocks", _computed_counts, _rolled_back)
+    _update_requests_with_invalid_blocks = Override(_ROLLBACK_HOOK, _computed_counts,
+                                                    _rolled_back)
     _handle_failed_recving = Override("scheduler._handle_failed_recving",
                                       _waiting_for_kv, _failed_whole)
 

@@ -39,7 +39,7 @@ SELF_CHECK_EVERY = 8
 #: one that a vLLM does not have counts as empty there (``async_kv_waiting`` is 0.34's).
 EXTRA_WAITING_QUEUES = ("async_kv_waiting",)
 #: Checks of counted events: a failure counts each event found missing.
-_EVENT_CHECKS = ("requests_finished",)
+_EVENT_CHECKS = ("requests_finished", "kv_load_failed_requests")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class InstrumentState(StepRecorder):
                  "cpu_ns", "clock_ns", "counted_cpu_ns", "off", "disabled", "newly_absent",
                  "errors", "logged", "holding_attr", "ready", "self_checks", "read_gap_ns",
                  "read_next_ns", "audit_every", "audit_next", "charged_step",
-                 "charged_evict_calls", "samples", "cal")
+                 "charged_evict_calls", "samples", "cal", "recovery_tally")
 
     def __init__(self, block_size: int, policy: str, has_connector: bool) -> None:
         super().__init__(block_size, policy, has_connector)
@@ -93,6 +93,8 @@ class InstrumentState(StepRecorder):
         #: least time between two (step_end.GAUGE_MIN_INTERVAL_S in ns).
         self.read_next_ns = 0
         self.read_gap_ns = 0
+        #: The recovery call running, cross-checked with vLLM's count (recovery_check).
+        self.recovery_tally: Any = None
         #: Steps between two pool audits, and the first step the next one may run at.
         self.audit_every = 1
         self.audit_next = 1
