@@ -68,10 +68,11 @@ class MetricsPipeline:
         for (name, values), amount in self.totals.series().items():
             self._safely(sink, "inc", cat.spec(name), self.common + values, amount)
 
-    def make_absent(self, families: Collection[str]) -> None:
-        """Take ``families`` off from now on (a hook that failed at run time): their
-        series leave every sink that can drop them and the totals, as if they had been
-        absent from the start, rather than staying frozen at their last value."""
+    def mark_absent(self, families: Collection[str]) -> None:
+        """Families that stop being computed from now on (a hook failed while running):
+        the pipeline updates them no more, and their series leave the totals and every
+        sink that can drop them (as if absent from the start), rather than staying
+        frozen at their last value."""
         new = frozenset(families) - self.absent
         if not new:
             return

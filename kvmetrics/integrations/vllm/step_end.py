@@ -170,7 +170,7 @@ class StepEnd:
         if kv.newly_absent:
             absent, kv.newly_absent = kv.newly_absent, set()
             if pipeline is not None:
-                pipeline.make_absent(absent)
+                pipeline.mark_absent(absent)
         if kv.disabled:
             off = kv.disabled
             events.increments = [i for i in events.increments if i.spec.name not in off]
