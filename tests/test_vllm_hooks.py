@@ -178,6 +178,28 @@ def test_a_hook_that_raises_is_counted_and_vllm_carries_on(
     assert got[(cat.ROLLED_BACK_TOKENS.name, ("sync", "recompute"))] == 32
 
 
+def test_a_wrapper_that_cannot_be_installed_is_counted_and_its_families_absent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmetrics.integrations.vllm import helper_hooks
+
+    real = helper_hooks.wrapped
+    name = "kv_cache_manager.record_prefix_cache_stats"
+
+    def refusing(scheduler, hook, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if hook == name:
+            raise TypeError("cannot wrap")
+        return real(scheduler, hook, *args, **kwargs)
+
+    monkeypatch.setattr(helper_hooks, "wrapped", refusing)
+    engine = run_failing_load()
+    got = totals(engine)
+    engine.close()
+    assert got[(ERRORS.name, (name,))] == 1
+    assert sum(v for k, v in got.items() if k[0] == ERRORS.name) == 1
+    assert not [key for key in got if key[0] in hooks.BY_NAME[name].families]
+    assert got[(cat.ROLLED_BACK_TOKENS.name, ("sync", "recompute"))] == 32
+
+
 def test_signature_rules() -> None:
     hook = hooks.Hook("scheduler", "m", ("a", "b"), ())
 

@@ -74,8 +74,11 @@ def install_helper_wrappers(scheduler: Any, recorder: StepRecorder) -> None:
     def install(owner: Any, hook: str, **observers: Any) -> None:
         if hook not in off:
             method = hook.rpartition(".")[2]
-            setattr(owner, method, wrapped(scheduler, hook, getattr(owner, method),
-                                           **observers))
+            try:
+                setattr(owner, method, wrapped(scheduler, hook, getattr(owner, method),
+                                               **observers))
+            except Exception as e:  # not installed: off, counted, its families absent
+                report_fault(scheduler, hook, f"could not be installed ({e!r})")
 
     install(kvm, "kv_cache_manager.record_prefix_cache_stats", after=_lookup)
     install(kvm, "kv_cache_manager.evict_blocks", before=_evicting_for_failure,
@@ -83,11 +86,15 @@ def install_helper_wrappers(scheduler: Any, recorder: StepRecorder) -> None:
     install(kvm, "kv_cache_manager.reset_prefix_cache", before=_cached_blocks, after=_reset)
     if scheduler.connector is not None:
         install(scheduler.connector, "connector.update_state_after_alloc", after=_allocated)
-    if "block_pool._maybe_evict_cached_block" not in off:
-        pool = kvm.block_pool
-        pool._maybe_evict_cached_block = eviction_counter(
-            pool._maybe_evict_cached_block, recorder,
-            lambda hook: report_fault(scheduler, hook))
+    evict_hook = "block_pool._maybe_evict_cached_block"
+    if evict_hook not in off:
+        try:
+            pool = kvm.block_pool
+            pool._maybe_evict_cached_block = eviction_counter(
+                pool._maybe_evict_cached_block, recorder,
+                lambda hook: report_fault(scheduler, hook))
+        except Exception as e:
+            report_fault(scheduler, evict_hook, f"could not be installed ({e!r})")
 
 
 def eviction_counter(maybe_evict: Callable[..., Any], recorder: Any,

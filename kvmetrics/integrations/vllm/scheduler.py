@@ -163,8 +163,10 @@ class InstrumentedMixin(StepEnd, EventHooks):
                         "versions)", verification.summary())
         try:
             install_helper_wrappers(self, kv)
-        except Exception:
-            log.exception("kvmetrics could not hook vLLM's cache manager; counts will be partial")
+        except Exception as e:  # which were installed is unknown: all off, absent, counted
+            for hook in hooks.HOOKS:
+                if hook.owner != "scheduler":
+                    kv.fault(hook.name, f"helper hooks could not be installed ({e!r})")
         try:
             settings = settings_for(me.vllm_config)
             settings.recovery = self.kvmetrics_recovery
