@@ -165,9 +165,9 @@ def differences(blocks: list[Block]) -> dict[str, list[float]]:
 
 def _check_internals(sched: Any, step_end: Any) -> None:
     """The benchmark steers kvmetrics' schedule through these; say so if one is gone."""
-    missing = [name for name in ("_kv_read_next_ns", "_kv_audit_next", "_kv_timed",
-                                 "_kv_next_schedule", "_kv_samples", "_kv_cal")
-               if not hasattr(sched, name)]
+    missing = [f"_kv.{name}" for name in ("read_next_ns", "audit_next", "timed",
+                                          "next_schedule", "samples", "cal")
+               if not hasattr(sched._kv, name)]
     if not hasattr(step_end, "monotonic_ns"):
         missing.append("step_end.monotonic_ns")
     if missing:
@@ -190,7 +190,7 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
     _check_internals(sched, step_end)
     switch = Switch(sched)
     base, cls = switch.base, type(sched)
-    next_functions = (sched._kv_next_schedule, sched._kv_next_update)
+    next_functions = (sched._kv.next_schedule, sched._kv.next_update)
     if next_functions != (base.schedule, base.update_from_output):
         raise RuntimeError("the benchmark expects kvmetrics' overrides to call vLLM's "
                            "methods directly (the protective mode off)")
@@ -208,15 +208,20 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
     paths[MODES.index("frame")] = (frame_schedule, frame_update)
 
     timed_ns = [0.0]  # the counter's timed part, summed as it is counted
-    counted_timed = sched._kv_timed
     measuring = False
+    kv = sched._kv
 
-    def counting_timed(ns: int) -> None:
-        if measuring:
-            timed_ns[0] += ns + sched._kv_clock_ns
-        counted_timed(ns)
+    class CountingState(type(kv)):  # type: ignore[misc]
+        """The scheduler's state, summing what it counts as timed while measuring."""
 
-    sched._kv_timed = counting_timed
+        __slots__ = ()
+
+        def timed(self, ns: int) -> None:
+            if measuring:
+                timed_ns[0] += ns + self.clock_ns
+            super().timed(ns)
+
+    kv.__class__ = CountingState
     clock = ServerClock(round(step_ms * 1e6))
     real_clock = step_end.monotonic_ns
     step_end.monotonic_ns = clock
@@ -228,7 +233,7 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
         schedule, update = paths[mode]
         if mode == KV:
             clock.advance()
-        timed0 = sched.kvmetrics_cpu_ns + sched._kv_cpu_ns
+        timed0 = sched.kvmetrics_cpu_ns + kv.cpu_ns
         t0 = thread_time_ns()
         out = schedule(sched)
         t1 = thread_time_ns()
@@ -236,7 +241,7 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
         t2 = thread_time_ns()
         update(sched, out, record.vllm_result)
         t3 = thread_time_ns()
-        return ((t1 - t0) + (t3 - t2)) / 1e3, sched.kvmetrics_cpu_ns + sched._kv_cpu_ns != timed0
+        return ((t1 - t0) + (t3 - t2)) / 1e3, sched.kvmetrics_cpu_ns + kv.cpu_ns != timed0
 
     generation = 0
 
@@ -245,8 +250,8 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
         can fall due meanwhile (its schedule is put back after), and one ``vllm`` step
         takes what the refill leaves to the next step."""
         nonlocal generation
-        due = sched._kv_read_next_ns, sched._kv_audit_next
-        sched._kv_read_next_ns = sched._kv_audit_next = 1 << 62
+        due = kv.read_next_ns, kv.audit_next
+        kv.read_next_ns = kv.audit_next = 1 << 62
         switch.set(KV)
         for rid in list(sched.requests):
             engine.abort(rid)
@@ -256,7 +261,7 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
             engine.add_request(request)
         for _ in range(2):
             engine.step()  # prefill
-        sched._kv_read_next_ns, sched._kv_audit_next = due
+        kv.read_next_ns, kv.audit_next = due
         gc.collect()
         step(VLLM)
 
@@ -331,8 +336,8 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
         len(recorded_us),
         statistics.fmean(recorded_us) - vllm_us if recorded_us else math.nan,
         statistics.fmean(after_us) - vllm_us if after_us else math.nan,
-        reported_ns / 1e3 / kv_steps, sched._kv_samples.step_ns() / 1e3,
-        sched._kv_cal.evict_ns * evict_calls / 1e3 / kv_steps, timed_ns[0] / 1e3 / kv_steps)
+        reported_ns / 1e3 / kv_steps, kv.samples.step_ns() / 1e3,
+        kv.cal.evict_ns * evict_calls / 1e3 / kv_steps, timed_ns[0] / 1e3 / kv_steps)
 
 
 def main(argv: list[str]) -> int:

@@ -228,3 +228,40 @@ def test_multiprocess_mode_sums_engines_and_drops_a_killed_process_gauges(
             is None
     result = _promtool_check(page)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_family_marked_absent_while_running_leaves_the_page_and_the_totals() -> None:
+    """A hook that fails at run time takes its families off the page: no sample left
+    (not frozen at the last value), the family's HELP kept as for one absent from the
+    start; the other families and the other engine sharing the sink keep theirs."""
+    from kvmetrics.metrics.events import GaugeReadings, StepEvents
+
+    sink = PrometheusSink()
+    engines = [MetricsPipeline([sink], engine=e, engine_kind="vllm") for e in ("0", "1")]
+    for pipeline in engines:
+        events = StepEvents(step=1)
+        events.count(cat.PREEMPTIONS, 2, request_id="r")
+        events.count(cat.EVICTED_BLOCKS, 3, "capacity")
+        events.gauges = GaugeReadings(0.5, 1, 2, 0, 100)
+        pipeline.record(events)
+    engines[0].mark_absent({cat.PREEMPTIONS.name, cat.KV_CACHE_USAGE.name})
+    page = sink.render().decode()
+    samples = [line for line in page.splitlines() if not line.startswith("#")]
+
+    def has(name: str, engine: str) -> bool:
+        return any(line.startswith(name + "{") and f'engine="{engine}"' in line
+                   for line in samples)
+
+    assert not has(cat.PREEMPTIONS.series_names()[0], "0")
+    assert not has(cat.KV_CACHE_USAGE.name, "0")
+    assert f"# HELP {cat.PREEMPTIONS.series_names()[0]}" in page
+    assert has(cat.EVICTED_BLOCKS.series_names()[0], "0") and has(cat.REQUESTS.name, "0")
+    assert has(cat.PREEMPTIONS.series_names()[0], "1") and has(cat.KV_CACHE_USAGE.name, "1")
+    assert engines[0].totals.get(cat.PREEMPTIONS) == 0
+    assert engines[0].totals.get(cat.EVICTED_BLOCKS) == 3
+    again = StepEvents(step=2)
+    again.count(cat.PREEMPTIONS, 1, request_id="r")
+    engines[0].record(again)  # counted no more
+    assert not [line for line in sink.render().decode().splitlines()
+                if line.startswith(cat.PREEMPTIONS.series_names()[0] + "{")
+                and 'engine="0"' in line]

@@ -172,7 +172,31 @@ def test_a_hook_that_raises_is_counted_and_vllm_carries_on(
     got = totals(engine)
     assert engine.outcome("r")[0] == "length" and engine.outcome("s")[0] == "length"
     engine.close()
-    assert got[(ERRORS.name, ("scheduler._free_request",))] == 2  # one per finish
+    # Counted once: the hook is off from its first fault, its family off the page.
+    assert got[(ERRORS.name, ("scheduler._free_request",))] == 1
+    assert not [key for key in got if key[0] == cat.FINISHED_REQUESTS.name]
+    assert got[(cat.ROLLED_BACK_TOKENS.name, ("sync", "recompute"))] == 32
+
+
+def test_a_wrapper_that_cannot_be_installed_is_counted_and_its_families_absent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmetrics.integrations.vllm import helper_hooks
+
+    real = helper_hooks.wrapped
+    name = "kv_cache_manager.record_prefix_cache_stats"
+
+    def refusing(scheduler, hook, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if hook == name:
+            raise TypeError("cannot wrap")
+        return real(scheduler, hook, *args, **kwargs)
+
+    monkeypatch.setattr(helper_hooks, "wrapped", refusing)
+    engine = run_failing_load()
+    got = totals(engine)
+    engine.close()
+    assert got[(ERRORS.name, (name,))] == 1
+    assert sum(v for k, v in got.items() if k[0] == ERRORS.name) == 1
+    assert not [key for key in got if key[0] in hooks.BY_NAME[name].families]
     assert got[(cat.ROLLED_BACK_TOKENS.name, ("sync", "recompute"))] == 32
 
 
@@ -206,7 +230,7 @@ def test_this_vllms_gauges_are_read_without_errors() -> None:
     sched = engine.scheduler
     page = page_of(engine)
     engine.close()
-    assert sched._kv_holding_attr in ("kv_holding_waiting", "skipped_waiting")
+    assert sched._kv.holding_attr in ("kv_holding_waiting", "skipped_waiting")
     assert 'kvmetrics_kv_cache_usage_ratio{engine="0",model_name="m"}' in page
     assert 'kvmetrics_requests{engine="0",model_name="m",state="running"}' in page
     assert sum(sched.kvmetrics_pipeline.totals.by_metric(ERRORS).values()) == 0
@@ -229,7 +253,7 @@ def test_a_missing_attribute_leaves_its_families_off_and_counts_once(
     sched = engine.scheduler
     page = page_of(engine)
     got = totals(engine)
-    steps = sched._kv_step
+    steps = sched._kv.step
     engine.close()
     assert sched.kvmetrics_broken_hooks == {name: "missing (looked for usage)"}
     assert steps >= 5  # several steps, one error
@@ -296,8 +320,8 @@ def test_the_cpu_estimate_charges_the_quiet_step_sampled_in_place(
     engine.add_request(Request("long", ExplicitTokens(PROMPT[:20]), 200))  # quiet decodes
     engine.run()
     sched = engine.scheduler
-    steps, samples = sched._kv_step, sched._kv_samples
-    assert sched._kv_cal is cal
+    steps, samples = sched._kv.step, sched._kv.samples
+    assert sched._kv.cal is cal
     # Both overrides were timed in place on one step in 64 (none dropped on a quiet
     # machine is not guaranteed, so only the total is checked), and every step is
     # charged their mean; the timed parts come on top.

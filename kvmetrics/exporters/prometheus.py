@@ -226,6 +226,20 @@ class PrometheusSink:
         if child is not None:
             child.set(1)
 
+    def drop_families(self, common: tuple[str, ...], names: frozenset[str]) -> None:
+        """Remove one engine's series of these families from the page (the family's
+        HELP and TYPE stay, with no sample: as a family that never counted)."""
+        for key in [k for k in self._children if k[0] in names and k[1][:len(common)] == common]:
+            del self._children[key]
+            if key[0] in self._series:  # (the overflow family counts no series)
+                self._series[key[0]] -= 1
+            metric = self._metrics.get(key[0])
+            if metric is not None:
+                metric.remove(*key[1])
+        gauges = self._step_gauges
+        if gauges is not None and names & _STEP_GAUGE_NAMES:
+            gauges.hidden[common] = gauges.hidden.get(common, frozenset()) | names
+
     def serving_registry(self) -> CollectorRegistry:
         """The registry a scrape should read: this sink's series (or, in multiprocess
         mode, every process's, which have no ``_created`` samples either)."""
@@ -265,6 +279,7 @@ class PrometheusSink:
 
 
 _STEP_GAUGES = (KV_CACHE_USAGE, KV_CACHE_BLOCKS, REQUESTS)
+_STEP_GAUGE_NAMES = frozenset(spec.name for spec in _STEP_GAUGES)
 
 
 class _Counter(Counter):
@@ -295,6 +310,8 @@ class _StepGauges(Collector):
 
     def __init__(self) -> None:
         self.latest: dict[tuple[str, ...], GaugeReadings] = {}
+        #: Per engine, the gauge families taken off its page (drop_families).
+        self.hidden: dict[tuple[str, ...], frozenset[str]] = {}
 
     def _families(self) -> dict[str, GaugeMetricFamily]:
         return {spec.name: GaugeMetricFamily(spec.name, spec.help, labels=spec.label_names)
@@ -306,8 +323,10 @@ class _StepGauges(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         families = self._families()
         for common, g in dict(self.latest).items():  # a copy: steps go on meanwhile
+            hidden = self.hidden.get(common, ())
             for spec, values, value in g.samples():
-                families[spec.name].add_metric([*common, *values], value)
+                if spec.name not in hidden:
+                    families[spec.name].add_metric([*common, *values], value)
         yield from families.values()
 
 

@@ -102,6 +102,8 @@ SELF_CHECKS = (
     "requests_running",                # len(running) vs vLLM's get_request_counts()
     "requests_waiting",                # kvmetrics' walk of vLLM's waiting queues vs vLLM's
     "requests_waiting_for_remote_kv",  # requests awaiting remote KV <= vLLM's waiting count
+    "requests_finished",               # requests vLLM freed whose finish kvmetrics counted
+    "kv_load_failed_requests",         # failed-load requests vs vLLM's recovery log line
 )
 
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one

@@ -122,14 +122,18 @@ class MetricsPipeline:
 
     def mark_absent(self, families: Collection[str]) -> None:
         """Families that stop being computed from now on (a hook failed while running):
-        the pipeline updates them no more and ``kvmetrics_family_live`` says 0 for each
-        (taking their series already on a page off it is the caller's, per sink)."""
+        the pipeline updates them no more, their series leave the totals and every sink
+        that can drop them (rather than staying frozen at their last value), and
+        ``kvmetrics_family_live`` says 0 for each."""
         gone = frozenset(families) - self.absent
         if not gone:
             return
         self.absent = self.absent | gone
+        self.totals.drop(gone)
         expected = set(cat.expected_families(self.engine_kind))
         for sink in self.sinks:
+            if hasattr(sink, "drop_families"):
+                self._safely(sink, "drop_families", self.common, gone)
             self._set_family_live(sink, [name for name in gone if name in expected])
 
     def _apply(self, spec: cat.MetricSpec, values: tuple[str, ...], amount: float,

@@ -22,3 +22,8 @@ class MetricSink(Protocol):
     def set_gauges(self, common: tuple[str, ...], readings: GaugeReadings) -> None:
         """Optional: the end-of-step gauges at once (the pipeline falls back to ``set``)."""
         ...
+
+    def drop_families(self, common: tuple[str, ...], names: frozenset[str]) -> None:
+        """Optional: remove every series of these families for one engine (``common``)
+        from the exposition; a sink without it keeps their last values."""
+        ...

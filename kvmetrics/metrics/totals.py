@@ -47,6 +47,11 @@ class Totals:
                 total += amount
         return total
 
+    def drop(self, names: frozenset[str]) -> None:
+        """Forget every series of these families (they left the page)."""
+        for key in [k for k in self._values if k[0] in names]:
+            del self._values[key]
+
     def series(self) -> dict[tuple[str, tuple[str, ...]], float]:
         return dict(self._values)
 

@@ -2,9 +2,10 @@
 
 These methods are not the scheduler's own, so they cannot be overridden by the
 scheduler subclass; each is wrapped on this scheduler's instance (never on the
-class, so other schedulers in the process are untouched). Every wrapper calls
-vLLM's method with the same arguments and returns its result unchanged; the
-metrics side goes through ``call``, which never raises into vLLM. A hook that
+class, so other schedulers in the process are untouched). Every wrapper is built by
+:func:`~.observe.wrapped` from observers of vLLM's raw arguments: vLLM's method is
+called once with the arguments as given and its result returned unchanged, and everything
+kvmetrics reads runs inside the guard. A hook that
 :mod:`kvmetrics.integrations.vllm.hooks` found unusable is not installed.
 """
 
@@ -15,78 +16,85 @@ from collections.abc import Callable
 from types import FunctionType
 from typing import Any
 
-#: ``call(hook name, recorder method, *args)``: the guarded metrics side of a hook.
-Call = Callable[..., None]
+from kvmetrics.integrations.vllm.hooks import argument
+from kvmetrics.integrations.vllm.observe import report_fault, wrapped
+from kvmetrics.integrations.vllm.recorder import StepRecorder
+
+# -- observers (see observe.py) ---------------------------------------------------------
 
 
-def install_helper_wrappers(scheduler: Any, on: Callable[[str], bool], call: Call,
-                            failed: Callable[[str], None], recorder: Any) -> None:
-    """Install the usable wrappers on ``scheduler``'s cache manager, pool and connector;
-    ``failed(hook)`` counts a fault the metrics side met outside ``call``. The one hook
-    that runs on ordinary decode steps (a cached block evicted to make room, about once
-    per request every block of tokens) skips ``call``: :func:`eviction_counter`."""
+def _lookup(kv: Any, sched: Any, seen: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+            result: Any) -> None:
+    request = argument(args, kwargs, 0, "request")
+    kv.lookup(request.request_id, request.num_tokens, request.num_prompt_tokens,
+              request.num_preemptions, argument(args, kwargs, 1, "num_hits"))
+
+
+def _evicting_for_failure(kv: Any, sched: Any, args: tuple[Any, ...],
+                          kwargs: dict[str, Any]) -> bool:
+    kv.set_evict_cause("kv_load_failure")
+    return True
+
+
+def _evicted_for_failure(kv: Any, sched: Any, seen: bool, args: tuple[Any, ...],
+                         kwargs: dict[str, Any], result: Any) -> None:
+    kv.set_evict_cause("capacity")
+
+
+def _cached_blocks(kv: Any, sched: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Blocks with a prefix-cache entry (read before a reset drops them all)."""
+    pool = sched.kv_cache_manager.block_pool
+    return sum(1 for b in pool.blocks if b.block_hash is not None and not b.is_null)
+
+
+def _reset(kv: Any, sched: Any, cached: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+           ok: Any) -> None:
+    if ok and cached:
+        kv.evicted(cached, "reset")
+
+
+def _allocated(kv: Any, sched: Any, seen: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               result: Any) -> None:
+    request = argument(args, kwargs, 0, "request")
+    num_external = argument(args, kwargs, 2, "num_external_tokens")
+    block_ids: list[int] = []
+    if num_external > 0:
+        block_ids = list(argument(args, kwargs, 1, "blocks").get_block_ids()[0])
+    kv.allocated(request.request_id, block_ids, num_external)
+
+
+def install_helper_wrappers(scheduler: Any, recorder: StepRecorder) -> None:
+    """Install the wrappers of the hooks that are on (``scheduler._kv.off``) on
+    ``scheduler``'s cache manager, pool and connector. The one hook that runs on
+    ordinary decode steps (a cached block evicted to make room, about once per request
+    every block of tokens) is not an observed call: :func:`eviction_counter`."""
     kvm = scheduler.kv_cache_manager
+    off = scheduler._kv.off
 
-    if on("kv_cache_manager.record_prefix_cache_stats"):
-        record_stats = kvm.record_prefix_cache_stats
-
-        def record_prefix_cache_stats(request: Any, num_hits: int, *args: Any,
-                                      **kwargs: Any) -> Any:
-            result = record_stats(request, num_hits, *args, **kwargs)
-            call("kv_cache_manager.record_prefix_cache_stats", "lookup", request.request_id,
-                 request.num_tokens, request.num_prompt_tokens, request.num_preemptions,
-                 num_hits)
-            return result
-
-        kvm.record_prefix_cache_stats = record_prefix_cache_stats
-
-    if on("kv_cache_manager.evict_blocks"):
-        evict_blocks = kvm.evict_blocks
-
-        def evict_blocks_hook(*args: Any, **kwargs: Any) -> Any:
-            call("kv_cache_manager.evict_blocks", "set_evict_cause", "kv_load_failure")
+    def install(owner: Any, hook: str, **observers: Any) -> None:
+        if hook not in off:
+            method = hook.rpartition(".")[2]
             try:
-                return evict_blocks(*args, **kwargs)
-            finally:
-                call("kv_cache_manager.evict_blocks", "set_evict_cause", "capacity")
+                setattr(owner, method, wrapped(scheduler, hook, getattr(owner, method),
+                                               **observers))
+            except Exception as e:  # not installed: off, counted, its families absent
+                report_fault(scheduler, hook, f"could not be installed ({e!r})")
 
-        kvm.evict_blocks = evict_blocks_hook
-
-    if on("block_pool._maybe_evict_cached_block"):
-        pool = kvm.block_pool
-        pool._maybe_evict_cached_block = eviction_counter(pool._maybe_evict_cached_block,
-                                                          recorder, failed)
-
-    if on("kv_cache_manager.reset_prefix_cache"):
-        reset = kvm.reset_prefix_cache
-
-        def reset_hook(*args: Any, **kwargs: Any) -> Any:
-            cached = count_cached(kvm, failed)
-            ok = reset(*args, **kwargs)
-            if ok and cached:
-                call("kv_cache_manager.reset_prefix_cache", "evicted", cached, "reset")
-            return ok
-
-        kvm.reset_prefix_cache = reset_hook
-
-    connector = scheduler.connector
-    if connector is not None and on("connector.update_state_after_alloc"):
-        after_alloc = connector.update_state_after_alloc
-
-        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int,
-                                     *args: Any, **kwargs: Any) -> Any:
-            result = after_alloc(request, blocks, num_external_tokens, *args, **kwargs)
-            block_ids: list[int] = []
-            if num_external_tokens > 0:
-                try:
-                    block_ids = list(blocks.get_block_ids()[0])
-                except Exception:
-                    block_ids = []
-            call("connector.update_state_after_alloc", "allocated", request.request_id,
-                 block_ids, num_external_tokens)
-            return result
-
-        connector.update_state_after_alloc = update_state_after_alloc
+    install(kvm, "kv_cache_manager.record_prefix_cache_stats", after=_lookup)
+    install(kvm, "kv_cache_manager.evict_blocks", before=_evicting_for_failure,
+            after=_evicted_for_failure, always=True)
+    install(kvm, "kv_cache_manager.reset_prefix_cache", before=_cached_blocks, after=_reset)
+    if scheduler.connector is not None:
+        install(scheduler.connector, "connector.update_state_after_alloc", after=_allocated)
+    evict_hook = "block_pool._maybe_evict_cached_block"
+    if evict_hook not in off:
+        try:
+            pool = kvm.block_pool
+            pool._maybe_evict_cached_block = eviction_counter(
+                pool._maybe_evict_cached_block, recorder,
+                lambda hook: report_fault(scheduler, hook))
+        except Exception as e:
+            report_fault(scheduler, evict_hook, f"could not be installed ({e!r})")
 
 
 def eviction_counter(maybe_evict: Callable[..., Any], recorder: Any,
@@ -144,12 +152,3 @@ def _exact_method(bound: Callable[..., Any]) -> tuple[Any, Any]:
              and all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params))
     return (function, owner) if exact else (None, None)
 
-
-def count_cached(kv_cache_manager: Any, failed: Callable[[str], None]) -> int:
-    """Blocks with a prefix-cache entry (read before a reset drops them all)."""
-    try:
-        pool = kv_cache_manager.block_pool
-        return sum(1 for b in pool.blocks if b.block_hash is not None and not b.is_null)
-    except Exception:
-        failed("kv_cache_manager.reset_prefix_cache")
-        return 0

@@ -6,8 +6,9 @@ construction: each method must exist and its leading parameters must carry the
 names listed here (later parameters are fine if they have defaults, and are
 passed through untouched). A hook that fails the check is left out; only the
 counter families that need it stop counting, one log line names it, and
-``kvmetrics_instrumentation_errors_total{hook}`` shows it on the endpoint. The
-same counter also counts a hook that raises at run time.
+``kvmetrics_instrumentation_errors_total{hook}`` shows it on the endpoint. A hook
+that raises at run time takes the same path from then on (:mod:`.state`): turned
+off, counted once, logged once, its families taken off the page.
 
 The hooks also read vLLM state (queues, the cache's usage, fields of the connector's
 output); :data:`ATTRIBUTES` lists those reads and is checked the same way, so a
@@ -76,14 +77,17 @@ _LOOKUPS = (cat.PREFIX_CACHE_QUERY_TOKENS.name, cat.PREFIX_CACHE_HIT_TOKENS.name
             cat.PROMPT_TOKENS.name)
 _RECOVERY = (cat.ROLLED_BACK_TOKENS.name, cat.KV_LOAD_FAILED_REQUESTS.name,
              cat.RECOMPUTED_TOKENS.name)
-#: kvmetrics' own health (errors, CPU time) is never switched off by a broken hook.
-_OWN = (cat.INSTRUMENTATION_ERRORS, cat.INSTRUMENTATION_CPU)
+#: kvmetrics' own health (errors, CPU time) and its exporter's (series dropped for
+#: their labels, unreadable multiprocess files) are never switched off by a broken hook.
+_OWN = (cat.INSTRUMENTATION_ERRORS, cat.INSTRUMENTATION_CPU, cat.SERIES_OVERFLOW,
+        cat.SCRAPE_ERRORS)
+_GAUGES = (cat.KV_CACHE_USAGE.name, cat.KV_CACHE_BLOCKS.name, cat.REQUESTS.name)
 _EVERY = tuple(s.name for s in cat.COUNTERS if s not in _OWN) + (
-    cat.RECOVERY_DURATION.name,)
+    cat.RECOVERY_DURATION.name,) + _GAUGES
 
 HOOKS: tuple[Hook, ...] = (
     Hook("scheduler", "schedule", (), (cat.KV_LOAD_BLOCKS.name, cat.RECOMPUTED_TOKENS.name)),
-    # Every step's events are recorded at its end: nothing counts without it.
+    # Every step's events (and gauges) are recorded at its end: nothing counts without it.
     Hook("scheduler", "update_from_output", ("scheduler_output", "model_runner_output"),
          _EVERY),
     Hook("scheduler", "_preempt_request", ("request", "timestamp"),
@@ -103,8 +107,6 @@ HOOKS: tuple[Hook, ...] = (
     Hook("connector", "update_state_after_alloc", ("request", "blocks", "num_external_tokens"),
          _LOOKUPS + (cat.KV_LOAD_BLOCKS.name,), needs_connector=True),
 )
-
-_GAUGES = (cat.KV_CACHE_USAGE.name, cat.KV_CACHE_BLOCKS.name, cat.REQUESTS.name)
 
 #: Requests held back while their KV arrives; ``skipped_waiting`` before vLLM 0.31.
 HOLDING_WAITING = Attribute("scheduler", ("kv_holding_waiting", "skipped_waiting"), _GAUGES)

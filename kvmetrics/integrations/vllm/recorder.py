@@ -223,6 +223,8 @@ class StepRecorder:
         ev.failed_load_request(mode, self.policy, action, request_id)
         if mode == "sync":
             ev.discarded_tokens += num_scheduled
+        if self.policy == "fail":
+            return  # vLLM finishes it (maybe already did): nothing is recomputed
         track = self.track(request_id)
         track.kv_failure_until = before + num_scheduled
         track.high_water = max(track.high_water, before + num_scheduled)
@@ -243,6 +245,10 @@ class StepRecorder:
     def finished(self, request_id: str, status_name: str) -> None:
         self.must_record = True
         self.events.finished(FINISH_REASONS.get(status_name, "stopped"), request_id)
+        self.forget(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request vLLM no longer holds (its finish was not seen: selfcheck)."""
         self.requests.pop(request_id, None)
         self.redo.pop(request_id, None)
         self.new_loads = [(r, b) for r, b in self.new_loads if r != request_id]

@@ -21,14 +21,15 @@ Events are taken at vLLM's own decision points:
   kv_load_failure inside ``evict_blocks``) and ``reset_prefix_cache``;
 - preemptions: ``_preempt_request``; finishes: ``_free_request``.
 
-Nothing a hook does may raise into vLLM: a fault is logged and the step goes on
-(only strict mode raises :class:`CounterViolationError`, on purpose). Every hooked
-vLLM method is listed in :mod:`kvmetrics.integrations.vllm.hooks` and checked at
-construction; overrides take ``*args, **kwargs`` and hand them to vLLM untouched,
-so a new optional parameter passes through. A missing or changed method (or vLLM
-attribute a hook reads) turns off only its hook; the families that need it are left
-off the page (never shown as 0), it is logged once and counted once (like a hook that
-raises, each time) in ``kvmetrics_instrumentation_errors_total{hook}``.
+Nothing a hook evaluates can raise into vLLM, by construction (:mod:`.observe`): vLLM's
+method is called once with the arguments it passed, and everything kvmetrics reads runs
+in a guard (only strict mode raises :class:`CounterViolationError`, on purpose). Every
+hooked vLLM method is listed in :mod:`kvmetrics.integrations.vllm.hooks` and checked at
+construction; overrides take ``*args, **kwargs`` and hand them to vLLM untouched, so a
+new optional parameter passes through. A missing or changed method (or vLLM attribute a
+hook reads), and a hook that raises at run time, turns off only its hook: the families
+that need it leave the page (never shown as 0 nor frozen), it is logged once and counted
+once in ``kvmetrics_instrumentation_errors_total{hook}`` (:mod:`.state`).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from vllm.v1.request import RequestStatus
 
 from kvmetrics.integrations.vllm import fingerprints, hooks, owncost, step_end
 from kvmetrics.integrations.vllm.base_choice import log_scheduler_base
-from kvmetrics.integrations.vllm.event_hooks import EventHooks, _guarded
+from kvmetrics.integrations.vllm.event_hooks import EventHooks
 from kvmetrics.integrations.vllm.exporting import (
     LOGGER,
     Exporter,
@@ -54,14 +55,14 @@ from kvmetrics.integrations.vllm.exporting import (
 )
 from kvmetrics.integrations.vllm.helper_hooks import install_helper_wrappers
 from kvmetrics.integrations.vllm.hooks import argument
+from kvmetrics.integrations.vllm.observe import guarded, report_fault
 from kvmetrics.integrations.vllm.protect import (
     ProtectMixin,
     protect_decided,
     protected_over,
     recovery_setting,
 )
-from kvmetrics.integrations.vllm.recorder import StepRecorder
-from kvmetrics.integrations.vllm.selfcheck import SelfChecks
+from kvmetrics.integrations.vllm.state import OUTPUT_HOOK, SCHEDULE_HOOK, InstrumentState
 from kvmetrics.integrations.vllm.step_end import (  # noqa: F401 - the documented names
     GAUGE_EVERY,
     GAUGE_MIN_INTERVAL_S,
@@ -74,12 +75,37 @@ from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = logging.getLogger(LOGGER)
 
-_OUTPUT_HOOK = "scheduler.update_from_output"
 # The overrides test the step count against literals (a constant is read from the code
 # object, a module global from the module's dict: one cold cache line fewer per step).
 if (owncost.SAMPLE_EVERY, owncost.SAMPLE_PHASE, GAUGE_EVERY) != (64, 20, 32):
     raise ImportError("kvmetrics: the literals in InstrumentedMixin's overrides "
                       "(63, 20, 32) no longer match owncost and step_end")
+
+
+def _after_schedule(kv: InstrumentState, sched: Any, out: Any) -> None:
+    """Close a schedule() call: which new loads vLLM made async, what it scheduled again."""
+    requests = sched.requests
+    waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+    async_admitted = set()
+    for rid, _ in kv.new_loads:
+        request = requests.get(rid)
+        if request is not None and request.status == waiting:
+            async_admitted.add(rid)
+    kv.scheduled(id(out), out.num_scheduled_tokens,
+                 lambda rid: requests[rid].num_computed_tokens, async_admitted)
+
+
+def _loads_done(kv: InstrumentState, sched: Any, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> None:
+    """Count the outcomes of the loads this output reports (before vLLM processes it)."""
+    scheduler_output = argument(args, kwargs, 0, "scheduler_output")
+    kv_out = argument(args, kwargs, 1, "model_runner_output").kv_connector_output
+    if kv_out is None:
+        kv.loads_done(id(scheduler_output), set(), set())
+        return
+    kv.loads_done(id(scheduler_output), set(kv_out.invalid_block_ids),
+                  set(kv_out.finished_recving or ()),
+                  set(getattr(kv_out, "failed_recving", None) or ()))
 
 
 class InstrumentedMixin(StepEnd, EventHooks):
@@ -95,7 +121,6 @@ class InstrumentedMixin(StepEnd, EventHooks):
     """
 
     kvmetrics_exporter: Exporter | None
-    kvmetrics_pipeline: MetricsPipeline | None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # The protective mode is in the class only when it is on: no pass-through layer.
@@ -105,15 +130,6 @@ class InstrumentedMixin(StepEnd, EventHooks):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        # The attributes the two overrides read on every step, set first and together:
-        # vLLM's scheduler has too many attributes for a shared-key dict, and entries
-        # inserted together share the dict's cache lines (their values are set below).
-        self._kv_next_schedule: Any = None
-        self._kv: StepRecorder = None  # type: ignore[assignment]
-        self._kv_step = 0
-        self._kv_output_off = False
-        self._kv_next_update: Any = None
-        self.kvmetrics_pipeline = None
         me: Any = self
         check_setting_keys(me.vllm_config)  # a misspelt setting stops startup, on purpose
         # Set by ProtectMixin when the fix is in the class; read here otherwise.
@@ -124,51 +140,34 @@ class InstrumentedMixin(StepEnd, EventHooks):
                                    "class was built without the protective recovery")
             #: How this vLLM compares with the versions kvmetrics was verified on.
             self.kvmetrics_vllm = fingerprints.check_safely()
-        #: kvmetrics' own CPU time not yet counted (ns, an estimate: owncost), and the
-        #: total counted since start (``kvmetrics_instrumentation_cpu_seconds_total``).
-        self._kv_cpu_ns: float = 0
-        self.kvmetrics_cpu_ns: float = 0
-        self._kv_ready: list[StepEvents] = []
         self.kvmetrics_exporter = None
         #: Hook name -> why it is out (missing, changed signature); set at construction.
         self.kvmetrics_broken_hooks: dict[str, str] = {}
-        self._kv_disabled: frozenset[str] = frozenset()
-        self._kv_off: frozenset[str] = frozenset()
-        #: vLLM's name for the queue of requests held back while their KV arrives;
-        #: None when an attribute the gauges read is missing (gauges then absent).
-        self._kv_holding_attr: str | None = "kv_holding_waiting"
-        #: Hook faults since the last recorded step, and the hooks already logged.
-        self._kv_errors: dict[str, int] = {}
-        self._kv_logged: set[str] = set()
-        #: The request gauges from vLLM's own accessor, checked against kvmetrics' count.
-        self._kv_self_checks = SelfChecks()
-        self._kv_check_hooks()
-        # Read through getattr: a vLLM without it is reported by the check above.
+        # Read through getattr: a vLLM without it is reported by the check below.
         policy = "recompute" if getattr(me, "recompute_kv_load_failures", True) else "fail"
-        self._kv = StepRecorder(me.block_size, policy, me.connector is not None,
-                                schedule_hooked="scheduler.schedule" not in self._kv_off)
-        self._kv_output_off = _OUTPUT_HOOK in self._kv_off
+        #: All of kvmetrics' state for this scheduler (state.py).
+        self._kv = kv = InstrumentState(me.block_size, policy, me.connector is not None)
+        self._kv_check_hooks(kv)
         # The next class's two methods, called directly on the usual call (no super
         # object, no re-packed arguments: vLLM's code runs as it would without us).
-        self._kv_next_schedule = _next_function(self, "schedule")
-        self._kv_next_update = _next_function(self, "update_from_output")
-        self._kv_read_gap_ns = round(step_end.GAUGE_MIN_INTERVAL_S * 1e9)
-        self._kv_read_next_ns = 0  # the first GAUGE_EVERY-th step reads them
-        self._kv_setup_cost()
+        kv.next_schedule = _next_function(self, "schedule")
+        kv.next_update = _next_function(self, "update_from_output")
+        kv.read_gap_ns = round(step_end.GAUGE_MIN_INTERVAL_S * 1e9)
+        self._kv_setup_cost(kv)
         blocks = me.kv_cache_manager.block_pool.num_gpu_blocks
-        every = max(step_end.POOL_AUDIT_EVERY, blocks // step_end.POOL_AUDIT_BLOCKS)
-        self._kv_audit_every = every
-        self._kv_audit_next = every
+        kv.audit_every = kv.audit_next = max(step_end.POOL_AUDIT_EVERY,
+                                             blocks // step_end.POOL_AUDIT_BLOCKS)
         verification = self.kvmetrics_vllm
         if verification is not None and not verification.verified:
             log.warning("kvmetrics: %s; kvmetrics was not verified on this vLLM code, so the "
                         "figures that depend on it may be wrong (docs/vllm.md, verified "
                         "versions)", verification.summary())
         try:
-            install_helper_wrappers(self, self._kv_on, self._kv_call_guarded,
-                                    self._kv_hook_failed, self._kv)
-        except Exception:
-            log.exception("kvmetrics could not hook vLLM's cache manager; counts will be partial")
+            install_helper_wrappers(self, kv)
+        except Exception as e:  # which were installed is unknown: all off, absent, counted
+            for hook in hooks.HOOKS:
+                if hook.owner != "scheduler":
+                    kv.fault(hook.name, f"helper hooks could not be installed ({e!r})")
         try:
             settings = settings_for(me.vllm_config)
             settings.recovery = self.kvmetrics_recovery
@@ -176,9 +175,10 @@ class InstrumentedMixin(StepEnd, EventHooks):
                 settings.vllm = (verification.version, str(verification.verified).lower(),
                                  ",".join(t.partition(":")[2] for t in verification.differing))
             if settings.export:
-                settings.absent_families = self._kv_disabled
+                settings.absent_families = kv.disabled
+                kv.newly_absent = set()  # the pipeline starts without them
                 self.kvmetrics_exporter = build_exporter(settings)
-                self.kvmetrics_pipeline = self.kvmetrics_exporter.pipeline
+                kv.pipeline = self.kvmetrics_exporter.pipeline
         except Exception:
             log.exception("kvmetrics export disabled: settings or exporter failed")
         if self.kvmetrics_broken_hooks:
@@ -187,138 +187,124 @@ class InstrumentedMixin(StepEnd, EventHooks):
         log_scheduler_base(self)  # answers vLLM's "degraded performance" warning
 
     @property
+    def kvmetrics_pipeline(self) -> MetricsPipeline | None:
+        """The pipeline this scheduler records its steps into (None: ``drain_events``)."""
+        return self._kv.pipeline
+
+    @kvmetrics_pipeline.setter
+    def kvmetrics_pipeline(self, pipeline: MetricsPipeline | None) -> None:
+        self._kv.pipeline = pipeline
+
+    @property
     def kvmetrics_protecting(self) -> bool:
         """Whether the protective recovery runs (then :class:`ProtectMixin` is in the class)."""
         return isinstance(self, ProtectMixin)
 
     # -- construction-time decisions ---------------------------------------------------
 
-    def _kv_check_hooks(self) -> None:
+    def _kv_check_hooks(self, kv: InstrumentState) -> None:
+        """Turn off the hooks this vLLM cannot serve (the same path as a hook that
+        faults at run time: counted, logged once, its families off the page)."""
         try:
             broken = hooks.check_hooks(self, hooks.vllm_base(type(self)))
         except Exception:
             log.exception("kvmetrics could not check vLLM's hooks; assuming they match")
-            return
+            broken = {}
         self.kvmetrics_broken_hooks = broken
-        self._kv_off = frozenset(broken)
-        self._kv_disabled = hooks.disabled_families(broken)
-        gauges_on = not self._kv_disabled & set(hooks.GAUGE_FAMILIES)
-        self._kv_holding_attr = (hooks.resolve_attribute(self, hooks.HOLDING_WAITING)
-                                 if gauges_on else None)
+        if not kv.disabled & set(hooks.GAUGE_FAMILIES):
+            kv.holding_attr = hooks.resolve_attribute(self, hooks.HOLDING_WAITING)
         for name, problem in broken.items():
-            self._kv_errors[name] = self._kv_errors.get(name, 0) + 1
-            self._kv_logged.add(name)
-            log.warning("kvmetrics: vLLM hook %s unusable (%s); left off the metrics page: %s",
-                        name, problem,
-                        ", ".join(sorted(hooks.BY_NAME[name].families)) or "nothing")
+            kv.fault(name, problem)
 
-    def _kv_setup_cost(self) -> None:
+    def _kv_setup_cost(self, kv: InstrumentState) -> None:
         """The calibration of kvmetrics' own CPU estimate (owncost), once per process."""
-        self._kv_charged_step = 0
-        self._kv_charged_evict_calls = 0
-        self._kv_samples = owncost.QuietSamples()
         try:
-            cal = owncost.calibrate()
+            kv.cal = owncost.calibrate()
         except Exception:
             log.exception("kvmetrics could not calibrate its CPU estimate; it will leave "
                           "out the work it does not time")
-            cal = owncost.Calibration()
-        self._kv_cal = cal
-        self._kv_clock_ns = round(cal.clock_ns)
-
-    def _kv_on(self, hook: str) -> bool:
-        return hook not in self._kv_off
+        kv.clock_ns = round(kv.cal.clock_ns)
 
     # -- the two overrides of every step -----------------------------------------------
+    # Written by hand for their cost: one lookup of the state, slots read inline.
+    # Everything kvmetrics evaluates is inside a try (free in CPython until it raises)
+    # whose fault is counted (report_fault); vLLM's method is called once, outside.
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        # One step in 64 the inline part is timed in place (owncost, part 2), from the
-        # first read of kvmetrics' state after the step count to the last, vLLM's
-        # method and the hooks timed on their own left out.
-        sampled = self._kv_step & 63 == 20  # owncost.SAMPLE_EVERY, SAMPLE_PHASE
-        if sampled:
-            t0 = perf_counter_ns()
-        vllm_schedule = self._kv_next_schedule
-        usual = vllm_schedule is not None and not args and not kwargs
-        if sampled:
-            own = perf_counter_ns() - t0
-        # The usual call without re-packing arguments; any other through super().
-        out = (vllm_schedule(self) if usual
-               else super().schedule(*args, **kwargs))  # type: ignore[misc]
-        if sampled:
-            t0 = perf_counter_ns()
         try:
-            pending = self._kv.schedule_work  # else scheduled() finds nothing
+            kv = self._kv
+            # One step in 64 the inline part is timed in place (owncost, part 2), from
+            # the first read of the state after the step count to the last, vLLM's
+            # method and the hooks timed on their own left out.
+            sampled = kv.step & 63 == 20  # owncost.SAMPLE_EVERY, SAMPLE_PHASE
+            if sampled:
+                t0 = perf_counter_ns()
+            vllm_schedule = kv.next_schedule if not args and not kwargs else None
+            if sampled:
+                own = perf_counter_ns() - t0
         except Exception:
-            pending = True  # the guarded hook meets the fault and counts it
-        if sampled:
-            self._kv_sampled(0, own + perf_counter_ns() - t0, 2)
+            report_fault(self, SCHEDULE_HOOK)
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        # The usual call without re-packing arguments; any other through super().
+        out = (vllm_schedule(self) if vllm_schedule is not None
+               else super().schedule(*args, **kwargs))  # type: ignore[misc]
+        try:
+            if sampled:
+                t0 = perf_counter_ns()
+            pending = kv.schedule_work  # else scheduled() finds nothing
+            if sampled:
+                kv.samples.add(0, own + perf_counter_ns() - t0, 2)
+        except Exception:
+            report_fault(self, SCHEDULE_HOOK)
+            return out
         if pending:
-            self._kv_after_schedule(out)
+            guarded(self, SCHEDULE_HOOK, _after_schedule, out)
         return out
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        sampled = self._kv_step & 63 == 20  # as in schedule()
-        if sampled:
-            t0 = perf_counter_ns()
-        if self._kv_output_off:
-            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        kv = self._kv
         try:
-            pending = kv.output_work  # else loads_done() finds nothing
+            kv = self._kv
+            sampled = kv.step & 63 == 20  # as in schedule()
+            if sampled:
+                t0 = perf_counter_ns()
+            off = kv.output_off
+            if not off:
+                pending = kv.output_work  # else loads_done() finds nothing
+                if sampled:
+                    own = perf_counter_ns() - t0
+                if pending:
+                    guarded(self, OUTPUT_HOOK, _loads_done, args, kwargs)  # timed on its own
+                if sampled:
+                    t0 = perf_counter_ns()
+                vllm_update = kv.next_update if len(args) == 2 and not kwargs else None
+                if sampled:
+                    own += perf_counter_ns() - t0
         except Exception:
-            pending = True
-        if sampled:
-            own = perf_counter_ns() - t0
-        if pending:
-            self._kv_before_output(args, kwargs)  # timed on its own
-        if sampled:
-            t0 = perf_counter_ns()
-        vllm_update = self._kv_next_update
-        usual = vllm_update is not None and len(args) == 2 and not kwargs
-        if sampled:
-            own += perf_counter_ns() - t0
-        if usual:
+            report_fault(self, OUTPUT_HOOK)
+            result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+            self._kv_publish_fault()
+            return result
+        if off:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        if vllm_update is not None:
             result = vllm_update(self, args[0], args[1])
         else:
             result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
-        if sampled:
-            t0 = perf_counter_ns()
-        step = self._kv_step = self._kv_step + 1
         try:
+            if sampled:
+                t0 = perf_counter_ns()
+            step = kv.step = kv.step + 1
             # Nothing to record: no event, no hook fault, and a pipeline to skip it for.
-            eventless = not kv.must_record and self.kvmetrics_pipeline is not None
+            eventless = not kv.must_record and kv.pipeline is not None
+            if sampled:
+                kv.samples.add(1, own + perf_counter_ns() - t0, 3)
         except Exception:
-            eventless = False  # the full path below meets the fault and counts it
-        if sampled:
-            self._kv_sampled(1, own + perf_counter_ns() - t0, 3)
+            report_fault(self, OUTPUT_HOOK)
+            self._kv_publish_fault()
+            return result
         if not eventless or not step % 32:  # step_end.GAUGE_EVERY
             self._kv_end_step(step, eventless)
         return result
-
-    @_guarded("scheduler.schedule")
-    def _kv_after_schedule(self, out: Any) -> None:
-        me: Any = self
-        requests = me.requests
-        waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
-        async_admitted = set()
-        for rid, _ in self._kv.new_loads:
-            request = requests.get(rid)
-            if request is not None and request.status == waiting:
-                async_admitted.add(rid)
-        self._kv.scheduled(id(out), out.num_scheduled_tokens,
-                           lambda rid: requests[rid].num_computed_tokens, async_admitted)
-
-    @_guarded(_OUTPUT_HOOK)
-    def _kv_before_output(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        scheduler_output = argument(args, kwargs, 0, "scheduler_output")
-        kv_out = argument(args, kwargs, 1, "model_runner_output").kv_connector_output
-        if kv_out is None:
-            self._kv.loads_done(id(scheduler_output), set(), set())
-            return
-        self._kv.loads_done(id(scheduler_output), set(kv_out.invalid_block_ids),
-                            set(kv_out.finished_recving or ()),
-                            set(getattr(kv_out, "failed_recving", None) or ()))
 
     def shutdown(self) -> None:
         try:

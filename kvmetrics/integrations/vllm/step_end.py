@@ -11,20 +11,19 @@ handed to the pipeline (or kept for ``drain_events`` when there is none).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from time import monotonic_ns, thread_time_ns
 from typing import Any
 
-from kvmetrics.integrations.vllm import owncost
 from kvmetrics.integrations.vllm.exporting import LOGGER
-from kvmetrics.integrations.vllm.recorder import StepRecorder
-from kvmetrics.integrations.vllm.selfcheck import SelfChecks
+from kvmetrics.integrations.vllm.observe import report_fault
+from kvmetrics.integrations.vllm.state import GAUGES_HOOK, OUTPUT_HOOK, InstrumentState
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import PoolSnapshot, StepEvents
 from kvmetrics.metrics.guard import CounterViolationError
-from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = logging.getLogger(LOGGER)
+
+FREE_HOOK = "scheduler._free_request"
 
 #: The pool audit walks every block (O(blocks)), so it runs on every step that ran the
 #: recovery path and otherwise with the first gauge read once
@@ -61,37 +60,11 @@ POOL_AUDIT_BLOCKS = 8
 GAUGE_EVERY = 32
 GAUGE_MIN_INTERVAL_S = 0.25
 
-_OUTPUT_HOOK = "scheduler.update_from_output"
-
-
 class StepEnd:
-    """Recording a step, and kvmetrics' own CPU estimate; part of ``InstrumentedMixin``."""
+    """Recording a step, and kvmetrics' own CPU estimate; part of ``InstrumentedMixin``.
+    Its state is the scheduler's one :class:`~.state.InstrumentState` (``_kv``)."""
 
-    kvmetrics_pipeline: MetricsPipeline | None
-    kvmetrics_cpu_ns: float
-    _kv: StepRecorder
-    _kv_cpu_ns: float
-    _kv_clock_ns: int
-    _kv_cal: owncost.Calibration
-    _kv_samples: owncost.QuietSamples
-    _kv_step: int
-    _kv_charged_step: int
-    _kv_charged_evict_calls: int
-    _kv_disabled: frozenset[str]
-    _kv_errors: dict[str, int]
-    _kv_ready: list[StepEvents]
-    _kv_holding_attr: str | None
-    _kv_self_checks: SelfChecks
-    _kv_audit_every: int
-    #: The first step the next audit may run at.
-    _kv_audit_next: int
-    #: When (``time.monotonic_ns``) the next periodic gauge read and CPU report are due,
-    #: and GAUGE_MIN_INTERVAL_S in nanoseconds.
-    _kv_read_next_ns: int
-    _kv_read_gap_ns: int
-    #: EventHooks' (the fault policy, and counting what is timed every time).
-    _kv_hook_failed: Callable[[str], None]
-    _kv_timed: Callable[[int], None]
+    _kv: InstrumentState
 
     # -- kvmetrics' own CPU time (owncost) ---------------------------------------------
 
@@ -99,96 +72,116 @@ class StepEnd:
         """The estimated cost of what is never timed (the quiet part of every step,
         sampled in place; the eviction wrapper, calibrated) since the last charge, and
         the step and wrapper-call counts to it."""
-        step, calls = self._kv_step, self._kv.evict_calls
-        return (self._kv_samples.step_ns() * (step - self._kv_charged_step)
-                + self._kv_cal.evict_ns * (calls - self._kv_charged_evict_calls), step, calls)
-
-    def _kv_sampled(self, part: int, ns: int, intervals: int) -> None:
-        """A timing of the quiet step's inline ``part`` (owncost, part 2)."""
-        try:
-            self._kv_samples.add(part, ns, intervals)
-        except Exception:
-            self._kv_hook_failed(_OUTPUT_HOOK)
+        kv = self._kv
+        step, calls = kv.step, kv.evict_calls
+        return (kv.samples.step_ns() * (step - kv.charged_step)
+                + kv.cal.evict_ns * (calls - kv.charged_evict_calls), step, calls)
 
     def _kv_charge(self) -> None:
         """Add the calibrated cost of what is never timed, up to now."""
-        ns, self._kv_charged_step, self._kv_charged_evict_calls = self._kv_uncharged_ns()
-        self._kv_cpu_ns += ns
+        kv = self._kv
+        ns, kv.charged_step, kv.charged_evict_calls = self._kv_uncharged_ns()
+        kv.cpu_ns += ns
+
+    @property
+    def kvmetrics_cpu_ns(self) -> float:
+        """kvmetrics' own CPU time reported so far (ns, an estimate)."""
+        return self._kv.counted_cpu_ns
 
     @property
     def kvmetrics_cpu_seconds(self) -> float:
         """kvmetrics' own thread CPU time in this scheduler since it was built (estimate)."""
-        return (self.kvmetrics_cpu_ns + self._kv_cpu_ns + self._kv_uncharged_ns()[0]) / 1e9
+        kv = self._kv
+        return (kv.counted_cpu_ns + kv.cpu_ns + self._kv_uncharged_ns()[0]) / 1e9
 
     # -- end of a recorded step --------------------------------------------------------
 
     def _kv_end_step(self, step: int, eventless: bool) -> None:
         """Record the step (``eventless``: only because the gauges may be due); timed
-        every time, since it is rare and its cost varies (owncost)."""
-        now = monotonic_ns()
-        periodic = now >= self._kv_read_next_ns
-        if eventless and not periodic:
-            return  # not due yet: nothing to record
-        start = thread_time_ns()
+        every time, since it is rare and its cost varies (owncost). Never raises into
+        vLLM: a fault is counted under the output hook (or the gauges')."""
         try:
-            self._kv_end_step_timed(step, periodic, now, eventless)
+            kv = self._kv
+            now = monotonic_ns()
+            periodic = now >= kv.read_next_ns
+            if eventless and not periodic:
+                return  # not due yet: nothing to record
+            start = thread_time_ns()
+        except Exception:
+            report_fault(self, OUTPUT_HOOK)
+            return
+        try:
+            self._kv_end_step_timed(kv, step, periodic, now, eventless)
+        except CounterViolationError:
+            raise
+        except Exception:
+            report_fault(self, OUTPUT_HOOK)  # every family leaves the page with it
+            self._kv_publish_fault()
         finally:
-            self._kv_timed(thread_time_ns() - start)
+            kv.timed(thread_time_ns() - start)
 
-    def _kv_end_step_timed(self, step: int, periodic: bool, now: int, eventless: bool) -> None:
-        if eventless:
-            self._kv_check_flag()
+    def _kv_end_step_timed(self, kv: InstrumentState, step: int, periodic: bool, now: int,
+                           eventless: bool) -> None:
+        if eventless and self._kv_flag_missed(kv):
+            # Nothing was lost (the events are recorded now), so the hook stays on.
+            kv.fault(OUTPUT_HOOK, turn_off=False)
+        events = kv.take_step(step)
         try:
-            events = self._kv.take_step(step)
+            self._kv_gauges(kv, events, periodic)
         except Exception:
-            self._kv_hook_failed(_OUTPUT_HOOK)
-            events = StepEvents(step=step)
-        try:
-            self._kv_gauges(events)
-        except Exception:
-            self._kv_hook_failed(_OUTPUT_HOOK)
+            kv.fault(GAUGES_HOOK)
+            events.gauges = events.pool = None
         if periodic:
-            self._kv_read_next_ns = now + self._kv_read_gap_ns
-            try:
-                self._kv_charge()
-            except Exception:
-                self._kv_hook_failed(_OUTPUT_HOOK)
+            kv.read_next_ns = now + kv.read_gap_ns
+            self._kv_charge()
             # The estimate so far (this step's own part is counted with the next report).
-            spent = self._kv_cpu_ns
+            spent = kv.cpu_ns
             if spent > 0:
-                self._kv_cpu_ns = 0
-                self.kvmetrics_cpu_ns += spent
+                kv.cpu_ns = 0
+                kv.counted_cpu_ns += spent
                 events.count(cat.INSTRUMENTATION_CPU, spent / 1e9)
         self._kv_record(events)
 
-    def _kv_check_flag(self) -> None:
-        """A step the recorder's ``must_record`` flag called quiet must hold no event and
-        no fault: otherwise a path of the recorder forgot to set it, and those events
-        would have waited for this periodic step. Counted as a fault of the output hook,
-        so the drift shows on the endpoint."""
+    @staticmethod
+    def _kv_flag_missed(kv: InstrumentState) -> bool:
+        """Whether a step the recorder's ``must_record`` flag called quiet holds an event
+        or a fault: a path of the recorder forgot to set it, and those events waited
+        for this periodic step. Counted as a fault of the output hook, so the drift
+        shows on the endpoint."""
+        ev = kv.events
+        return bool(ev.increments or ev.rollbacks or ev.discarded_tokens
+                    or ev.recovery_seconds is not None or kv.errors)
+
+    def _kv_publish_fault(self) -> None:
+        """Record a step that holds only the faults counted so far: the output hook that
+        records steps may be off from now on, and the fault must still reach the page."""
         try:
-            ev = self._kv.events
-            if (ev.increments or ev.rollbacks or ev.discarded_tokens
-                    or ev.recovery_seconds is not None or self._kv_errors):
-                raise RuntimeError("kvmetrics: a step with events was not flagged for "
-                                   "recording (StepRecorder.must_record)")
+            self._kv_record(StepEvents(step=self._kv.step))
+        except CounterViolationError:
+            raise
         except Exception:
-            self._kv_hook_failed(_OUTPUT_HOOK)
+            log.exception("kvmetrics could not record its own fault; the engine continues")
 
     def _kv_record(self, events: StepEvents) -> None:
-        """Hand a step's events on: counters of disabled hooks out, hook faults in."""
-        if self._kv_disabled:
-            off = self._kv_disabled
+        """Hand a step's events on: families of hooks that are off leave the page (at
+        once, on a fault at run time) and their counts are dropped; hook faults in."""
+        kv = self._kv
+        pipeline = kv.pipeline
+        if kv.newly_absent:
+            absent, kv.newly_absent = kv.newly_absent, set()
+            if pipeline is not None:
+                pipeline.mark_absent(absent)
+        if kv.disabled:
+            off = kv.disabled
             events.increments = [i for i in events.increments if i.spec.name not in off]
             if cat.RECOVERY_DURATION.name in off:
                 events.recovery_seconds = None
-        if self._kv_errors:
-            errors, self._kv_errors = self._kv_errors, {}
+        if kv.errors:
+            errors, kv.errors = kv.errors, {}
             for hook, n in errors.items():
                 events.count(cat.INSTRUMENTATION_ERRORS, n, hook)
-        pipeline = self.kvmetrics_pipeline
         if pipeline is None:
-            self._kv_ready.append(events)
+            kv.ready.append(events)
             return
         try:
             pipeline.record(events)
@@ -198,17 +191,19 @@ class StepEnd:
             log.exception("kvmetrics failed to record step %d; the engine continues",
                           events.step)
 
-    def _kv_gauges(self, events: StepEvents) -> None:
-        if self._kv_holding_attr is None:
-            return  # an attribute is missing: reported once at start, gauges absent
+    def _kv_gauges(self, kv: InstrumentState, events: StepEvents, periodic: bool) -> None:
+        if kv.holding_attr is None:
+            return  # the gauges are off: reported once, gauges absent
         me: Any = self
-        events.gauges = self._kv_self_checks.gauges(me, self._kv_holding_attr, self._kv_step,
-                                                    events)
+        step = kv.step
+        events.gauges = kv.self_checks.gauges(me, kv.holding_attr, step, events)
+        if periodic and FREE_HOOK not in kv.off:
+            for rid in kv.self_checks.unseen_finishes(events, kv.requests, me.requests):
+                kv.forget(rid)
         pool = me.kv_cache_manager.block_pool
-        step = self._kv_step
-        if step < self._kv_audit_next and events.recovery_seconds is None:
+        if step < kv.audit_next and events.recovery_seconds is None:
             return
-        self._kv_audit_next = step + self._kv_audit_every
+        kv.audit_next = step + kv.audit_every
         used = negative = 0
         for block in pool.blocks:
             if block.is_null:
@@ -223,6 +218,6 @@ class StepEnd:
 
     def drain_events(self) -> list[StepEvents]:
         """Steps completed since the last call, when no pipeline records them here."""
-        ready, self._kv_ready = self._kv_ready, []
+        kv = self._kv
+        ready, kv.ready = kv.ready, []
         return ready
-

@@ -1,0 +1,81 @@
+"""Counter cross-checks against figures vLLM computes itself, shown to catch a vLLM that
+does the counted work past kvmetrics' hooks.
+
+Each test runs vLLM's real scheduler twice on the same fault workload: as it is (every
+check quiet) and changed the way a release could change it without renaming anything
+kvmetrics checks at start, the work inlined where the hook cannot see it. The counter
+then falls short of vLLM's own figure, and the check counts it in
+``kvmetrics_self_check_failures_total{check}``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import pytest
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from kvmetrics.integrations.vllm import step_end
+from kvmetrics.integrations.vllm.event_hooks import EventHooks
+from kvmetrics.metrics import catalogue as cat
+from tests.test_vllm_hooks import run_failing_load, totals
+
+CHECKS = cat.SELF_CHECK_FAILURES.name
+
+
+def checks(got: dict) -> dict[str, float]:
+    return {key[1][0]: value for key, value in got.items() if key[0] == CHECKS and value}
+
+
+def finish_run() -> dict:
+    engine = run_failing_load()
+    for _ in range(2 * step_end.GAUGE_EVERY):  # idle steps: the periodic gauge read comes
+        engine.step()
+    got = totals(engine)
+    assert engine.outcome("r")[0] == "length" and engine.outcome("s")[0] == "length"
+    engine.close()
+    return got
+
+
+def test_a_finish_vllm_makes_past_the_hook_is_flagged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``requests_finished``: every request kvmetrics tracks must still be vLLM's."""
+    monkeypatch.setattr(step_end, "GAUGE_MIN_INTERVAL_S", 0)
+    assert checks(finish_run()) == {}
+    monkeypatch.setattr(EventHooks, "_free_request",
+                        lambda self, *args, **kwargs: Scheduler._free_request(self, *args,
+                                                                             **kwargs))
+    got = finish_run()
+    assert not [key for key in got if key[0] == cat.FINISHED_REQUESTS.name and got[key]]
+    assert checks(got) == {"requests_finished": 2}
+
+
+def test_a_rollback_vllm_makes_past_the_hook_is_flagged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kv_load_failed_requests``: vLLM's own count in its recovery log line."""
+    baseline = run_failing_load()
+    got = totals(baseline)
+    baseline.close()
+    assert got[(cat.KV_LOAD_FAILED_REQUESTS.name, ("sync", "recompute", "rescheduled"))] == 2
+    assert checks(got) == {}
+
+    # vLLM's recovery calling its helper where the override cannot see it (inlined).
+    handle = Scheduler._handle_invalid_blocks
+
+    @functools.wraps(handle)  # the same signature: the hook check at start passes
+    def inlined(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        self._update_requests_with_invalid_blocks = types.MethodType(
+            Scheduler._update_requests_with_invalid_blocks, self)
+        try:
+            return handle(self, *args, **kwargs)
+        finally:
+            del self._update_requests_with_invalid_blocks
+
+    monkeypatch.setattr(Scheduler, "_handle_invalid_blocks", inlined)
+    engine = run_failing_load()
+    got = totals(engine)
+    broken = engine.scheduler.kvmetrics_broken_hooks
+    engine.close()
+    assert broken == {}
+    assert not [key for key in got if key[0] == cat.KV_LOAD_FAILED_REQUESTS.name and got[key]]
+    assert checks(got) == {"kv_load_failed_requests": 2}
