@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Check the patch series of docs/vllm-patches/ against vLLM's own test suites.
 #
-#   scripts/test-vllm-series.sh [--ci] [VERSION...]     (default: 0.34.0 0.33.0)
+#   scripts/test-vllm-series.sh [--ci] [--alone all|NNNN[,NNNN...]] [VERSION...]
+#                                                       (default: 0.34.0 0.33.0)
 #
 # For each version: fetch the release's sdist from PyPI (pinned, sha256 checked,
 # cached in .vllm-src/), apply the series to a copy of it (docs/vllm-patches/*.patch
@@ -16,11 +17,18 @@
 # does not pass patched, or when a reproduction passes on the release or fails
 # patched, and prints one summary line per version.
 #
+# --alone (full mode only) also checks patches one by one, each applied by itself
+# to the release (as a pull request is reviewed), with the same verdicts and one
+# more summary line per patch: "all" for every patch of the series, or the patch
+# numbers (0004, or 0003,0004). The stock run is shared; each patch adds a patched
+# and a repro run.
+#
 # --ci runs a stated subset instead of the two directories (about 5 minutes for both
-# versions instead of 17): the two test files the series changes, the remote
-# prefill/decode lifecycle tests (async loads, aborts), tests/v1/core/test_scheduler.py
-# and test_async_scheduler.py, and the kv_connector unit files that import vLLM's
-# Scheduler. The full run's numbers are in docs/vllm-patches/README.md.
+# versions instead of 17), for the series together only: the two test files the
+# series changes, the remote prefill/decode lifecycle tests (async loads, aborts),
+# tests/v1/core/test_scheduler.py and test_async_scheduler.py, and the kv_connector
+# unit files that import vLLM's Scheduler. The full run's numbers are in
+# docs/vllm-patches/README.md.
 #
 # The installed vLLM is the project's: 0.33.0 in .venv (scripts/install.sh --vllm),
 # 0.34.0 in .vllm-versions/0.34.0-light laid over it (install.sh --test --vllm).
@@ -36,17 +44,31 @@ REPO=$PWD
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 CACHE=$REPO/.vllm-src
 
+usage_error() {
+  echo "test-vllm-series.sh: $1 (usage: [--ci] [--alone all|NNNN[,NNNN...]] [VERSION...])" >&2
+  exit 2
+}
+
 mode=full
+alone=
 versions=()
-for arg in "$@"; do
-  case "$arg" in
+while [ $# -gt 0 ]; do
+  case "$1" in
     --ci) mode=ci ;;
-    [0-9]*.[0-9]*.[0-9]*) versions+=("$arg") ;;
-    *) echo "test-vllm-series.sh: unknown argument $arg (--ci, or versions such as 0.34.0)" >&2
-       exit 2 ;;
+    --alone=*) alone=${1#--alone=} ;;
+    --alone) [ $# -gt 1 ] || usage_error "--alone needs all or patch numbers such as 0004"
+             alone=$2; shift ;;
+    [0-9]*.[0-9]*.[0-9]*) versions+=("$1") ;;
+    *) usage_error "unknown argument $1" ;;
   esac
+  shift
 done
 [ ${#versions[@]} -gt 0 ] || versions=(0.34.0 0.33.0)
+if [ -n "$alone" ]; then
+  [ "$mode" = full ] || usage_error "--alone runs in the full mode only, not with --ci"
+  [[ "$alone" =~ ^(all|[0-9]{4}(,[0-9]{4})*)$ ]] ||
+    usage_error "--alone takes all or patch numbers such as 0004 or 0003,0004, not '$alone'"
+fi
 
 sdist_url() {
   case "$1" in
@@ -108,32 +130,86 @@ run_pytest() {  # run_pytest TREE VLLM_PATH JUNIT ARGS...
   [ -s "$junit" ] || { echo "pytest wrote no report, see $junit.log" >&2; return 1; }
 }
 
-check_version() {
-  local version=$1 started=$SECONDS status
-  local series; series=$(series_dir "$version")
-  sdist_url "$version" > /dev/null || { echo "no pinned sdist for vLLM $version" >&2; return 1; }
-  local patches=("$series"/*.patch)
-  [ -f "${patches[0]}" ] || { echo "no series for vLLM $version in $series" >&2; return 1; }
-  fetch_sdist "$version"
+# The patch files that --alone names for this version, one a line.
+alone_patches() {
+  local series; series=$(series_dir "$1")
+  if [ "$alone" = all ]; then
+    printf '%s\n' "$series"/[0-9][0-9][0-9][0-9]-*.patch
+    return
+  fi
+  local number found
+  for number in ${alone//,/ }; do
+    found=("$series/$number"-*.patch)
+    [ -f "${found[0]}" ] || {
+      echo "test-vllm-series.sh: no patch $number in the series for vLLM $1" >&2; return 1; }
+    printf '%s\n' "${found[0]}"
+  done
+}
 
-  local work=$CACHE/$version
-  rm -rf "$work"
-  mkdir -p "$work/stock" "$work/patched"
-  tar -xzf "$CACHE/vllm-$version.tar.gz" -C "$work/stock" --strip-components=1 \
-    "vllm-$version/vllm" "vllm-$version/tests" "vllm-$version/pyproject.toml"
-  cp -r "$work/stock/." "$work/patched"
+# check_patches VERSION NAME LABEL INSTALLED OVERLAY PATCH...: apply the patches
+# to a fresh copy of the release's sources (in $CACHE/VERSION/NAME), lay the changed
+# files over a copy of the installed vLLM, run the patched and repro runs, and judge
+# them against the version's stock run.
+check_patches() {
+  local version=$1 name=$2 label=$3 installed=$4 overlay=$5
+  shift 5
+  local patches=("$@") work=$CACHE/$version
+  local dir=$work/$name
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  cp -r "$work/release" "$dir/tree"
   # Its own repository, so that git apply takes the patch paths from there (inside
   # this project's checkout it would skip them as lying outside the folder).
-  git -C "$work/patched" init -q
+  git -C "$dir/tree" init -q
   local patch
   for patch in "${patches[@]}"; do
-    if ! (cd "$work/patched" && git apply --check "$patch" && git apply "$patch"); then
-      echo "vLLM $version ($mode): the series does not apply: $(basename "$patch")"
+    if ! (cd "$dir/tree" && git apply --check "$patch" && git apply "$patch"); then
+      echo "vLLM $version ($mode, $label): does not apply: $(basename "$patch")"
       return 1
     fi
   done
+  local changed
+  changed=$(cd "$dir/tree" && for patch in "${patches[@]}"; do
+    git apply --numstat "$patch"; done | awk '{print $3}' | grep '^vllm/' | sort -u)
+  # The sdist's vllm/ sources leave the test tree: pytest puts a tree's root first
+  # on sys.path, and the tests must import the installed vLLM (or its patched copy).
+  mv "$dir/tree/vllm" "$dir/src"
+  local file
+  for file in $changed; do
+    cmp -s "$work/release/$file" "$installed/${file#vllm/}" || {
+      echo "the installed vLLM $version differs from its sdist in $file" >&2; return 1; }
+  done
+  mkdir -p "$dir/pkg"
+  cp -al "$installed" "$dir/pkg/vllm" 2>/dev/null || cp -r "$installed" "$dir/pkg/vllm"
+  for file in $changed; do
+    rm -f "$dir/pkg/$file"
+    cp "$dir/src/${file#vllm/}" "$dir/pkg/$file"
+  done
 
-  # The installed vLLM of this version, and a copy of it with the patched files.
+  local targets reproductions
+  mapfile -t targets < "$work/targets"
+  mapfile -t reproductions < <(sed -n 's/^Reproduces: //p' "${patches[@]}")
+  if [ ${#reproductions[@]} -eq 0 ]; then
+    echo "vLLM $version ($mode, $label): no \"Reproduces:\" line in $(basename "${patches[0]}")"
+    return 1
+  fi
+  run_pytest "$dir/tree" "$dir/pkg" "$dir/patched.xml" "${targets[@]}"
+  run_pytest "$dir/tree" "$overlay" "$dir/repro.xml" "${reproductions[@]}"
+  "$PYTHON" scripts/vllm-series-compare.py "$version" "$mode, $label" \
+    "$work/stock.xml" "$dir/patched.xml" "$dir/repro.xml" "${reproductions[@]}"
+}
+
+check_version() {
+  local version=$1 started=$SECONDS status=0
+  local series; series=$(series_dir "$version")
+  sdist_url "$version" > /dev/null || { echo "no pinned sdist for vLLM $version" >&2; return 1; }
+  local patches=("$series"/[0-9][0-9][0-9][0-9]-*.patch)
+  [ -f "${patches[0]}" ] || { echo "no series for vLLM $version in $series" >&2; return 1; }
+  local singles=()
+  if [ -n "$alone" ]; then mapfile -t singles < <(alone_patches "$version"); fi
+  fetch_sdist "$version"
+
+  # The installed vLLM of this version.
   local overlay; overlay=$(vllm_overlay "$version")
   local installed
   installed=$(PYTHONPATH="$overlay" "$PYTHON" -c \
@@ -143,24 +219,15 @@ check_version() {
     return 1
   fi
   installed=${installed#* }
-  local changed
-  changed=$(cd "$work/patched" && for patch in "${patches[@]}"; do
-    git apply --numstat "$patch"; done | awk '{print $3}' | grep '^vllm/' | sort -u)
-  # The sdist's vllm/ sources leave the test trees: pytest puts a tree's root first on
-  # sys.path, and the tests must import the installed vLLM (or its patched copy).
-  mv "$work/stock/vllm" "$work/stock-src"
-  mv "$work/patched/vllm" "$work/patched-src"
-  local file
-  for file in $changed; do
-    cmp -s "$work/stock-src/${file#vllm/}" "$installed/${file#vllm/}" || {
-      echo "the installed vLLM $version differs from its sdist in $file" >&2; return 1; }
-  done
-  mkdir -p "$work/pkg"
-  cp -al "$installed" "$work/pkg/vllm" 2>/dev/null || cp -r "$installed" "$work/pkg/vllm"
-  for file in $changed; do
-    rm -f "$work/pkg/$file"
-    cp "$work/patched-src/${file#vllm/}" "$work/pkg/$file"
-  done
+
+  local work=$CACHE/$version
+  rm -rf "$work"
+  mkdir -p "$work/release" "$work/stock"
+  tar -xzf "$CACHE/vllm-$version.tar.gz" -C "$work/release" --strip-components=1 \
+    "vllm-$version/vllm" "vllm-$version/tests" "vllm-$version/pyproject.toml"
+  # The release's tests, never modified: hard links where the filesystem allows.
+  cp -al "$work/release/tests" "$work/release/pyproject.toml" "$work/stock/" 2>/dev/null ||
+    cp -r "$work/release/tests" "$work/release/pyproject.toml" "$work/stock/"
 
   local targets=(tests/v1/kv_connector/unit tests/v1/core)
   if [ "$mode" = ci ]; then
@@ -175,19 +242,28 @@ check_version() {
       case " ${targets[*]} " in *" $f "*) ;; *) targets+=("$f") ;; esac
     done
   fi
-  local reproductions
-  mapfile -t reproductions < <(sed -n 's/^Reproduces: //p' "${patches[@]}")
+  printf '%s\n' "${targets[@]}" > "$work/targets"
 
   model_cache
   run_pytest "$work/stock" "$overlay" "$work/stock.xml" "${targets[@]}"
-  run_pytest "$work/patched" "$work/pkg" "$work/patched.xml" "${targets[@]}"
-  run_pytest "$work/patched" "$overlay" "$work/repro.xml" "${reproductions[@]}"
-  "$PYTHON" scripts/vllm-series-compare.py "$version" "$mode, ${#patches[@]} patches" \
-    "$work/stock.xml" "$work/patched.xml" "$work/repro.xml" "${reproductions[@]}" \
-    && status=0 || status=1
+  check_patches "$version" series "${#patches[@]} patches" "$installed" "$overlay" \
+    "${patches[@]}" || status=1
+  local patch number
+  for patch in "${singles[@]}"; do
+    number=$(basename "$patch" | cut -c1-4)
+    check_patches "$version" "$number-alone" "$number alone" "$installed" "$overlay" \
+      "$patch" || status=1
+  done
   echo "  ($((SECONDS - started)) s; logs and JUnit reports in ${work#"$REPO"/}/)"
   return $status
 }
+
+# A patch number --alone names must exist for every version, before anything runs.
+if [ -n "$alone" ]; then
+  for version in "${versions[@]}"; do
+    alone_patches "$version" > /dev/null || exit 2
+  done
+fi
 
 failed=0
 for version in "${versions[@]}"; do

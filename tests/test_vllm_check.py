@@ -50,6 +50,12 @@ UPSTREAM = {
                                "vllm-project/vllm#56733"],
 }
 
+#: Patches whose PR description follows vLLM's current pull-request template
+#: (Overview / Claims / Validation / Details and its checklist, as in the 0.34.0
+#: sources' .github/PULL_REQUEST_TEMPLATE.md) and that carry a DCO sign-off; the
+#: others still use the earlier Purpose / Test Plan / Test Result layout.
+CURRENT_TEMPLATE = {"0004-async-load-own-reservation.patch"}
+
 PROTECTED = Target("kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler",
                    "kvmetrics.integrations.vllm.scheduler.InstrumentedAsyncScheduler",
                    (("export", False), ("recovery", "evict")))
@@ -113,6 +119,16 @@ def test_each_patch_of_the_series_fixes_its_defects_and_no_other(count: int,
     names = {p.name for p in applied}
     found = {r.id: r.present for r in run_all(target=patched_target(applied, tmp_path))}
     assert found == {i: expected()[i] and FIXES[i].patch not in names for i in IDS}
+
+
+@pytest.mark.parametrize("name", sorted(CURRENT_TEMPLATE))
+def test_a_patch_submitted_on_its_own_fixes_its_defects_alone(name: str,
+                                                               tmp_path: Path) -> None:
+    """A patch written as a pull request of its own applies to the release by itself
+    and takes away its defects, and only those, without the rest of the series."""
+    (patch,) = [p for p in installed_series() if p.name == name]
+    found = {r.id: r.present for r in run_all(target=patched_target([patch], tmp_path))}
+    assert found == {i: expected()[i] and FIXES[i].patch != name for i in IDS}
 
 
 def test_the_series_together_fixes_every_defect(tmp_path: Path) -> None:
@@ -204,7 +220,10 @@ def test_the_docs_carry_each_patch_and_a_section_per_defect() -> None:
     """docs/vllm-defects.md has a section per defect naming the patch that fixes it
     and its reproduction; each patch has a PR description in vLLM's template and
     names, in its ``Reproduces:`` lines, exactly the reproductions of its defects; the
-    0.34.0 series and its 0.33.0 backport have the same patches."""
+    0.34.0 series and its 0.33.0 backport have the same patches. A description in
+    the current template is short, states the AI assistance vLLM's AGENTS.md asks
+    about, speaks vLLM's terms (no defect ids of this project), and its patch, in
+    both series, is signed off."""
     from kvmetrics.integrations.vllm_lab.defect_regimes import SEVERITY
 
     assert sorted(SEVERITY) == sorted(IDS) == sorted(FIXES)
@@ -226,9 +245,19 @@ def test_the_docs_carry_each_patch_and_a_section_per_defect() -> None:
         assert named == {f.reproduction for f in FIXES.values() if f.patch == patch.name}
     for name in names:
         description = (PATCHES / name.replace(".patch", ".md")).read_text()
-        for heading in ("## Purpose", "## Root cause", "## Fix", "## Test Plan",
-                        "## Test Result", "## Upstream", "## Cost"):
+        if name not in CURRENT_TEMPLATE:
+            for heading in ("## Purpose", "## Root cause", "## Fix", "## Test Plan",
+                            "## Test Result", "## Upstream", "## Cost"):
+                assert heading in description, (name, heading)
+            continue
+        for heading in ("## Overview", "## Claims", "## Validation", "## Details",
+                        "Pull Request Checklist", "AI assistance"):
             assert heading in description, (name, heading)
+        assert len(description.splitlines()) <= 80, name
+        assert not [word for word in [*IDS, "kvmetrics", "issue 30"]
+                    if word in description], name
+        for patch in (PATCHES / name, PATCHES / "0.33.0" / name):
+            assert "\nSigned-off-by: " in patch.read_text(), patch
 
 
 def test_repro_prints_the_test_the_series_adds(capsys: pytest.CaptureFixture[str]) -> None:
