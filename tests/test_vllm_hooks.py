@@ -262,6 +262,8 @@ def test_a_missing_attribute_leaves_its_families_off_and_counts_once(
     assert f'hook="{name}",model_name="m"}} 1.0' in page
     for gauge in (cat.KV_CACHE_USAGE, cat.KV_CACHE_BLOCKS, cat.REQUESTS):
         assert f"\n{gauge.name}{{" not in page, gauge.name
+        # ...and the page says so, for the alert on an absent family.
+        assert f'family="{gauge.name}",model_name="m"}} 0.0' in page, gauge.name
     # Counters that do not need it still count.
     assert got[(cat.ROLLED_BACK_TOKENS.name, ("sync", "recompute"))] == 32
     lines = [line for line in logged if name in line]

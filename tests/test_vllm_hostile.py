@@ -217,14 +217,15 @@ def families_on(page: str) -> set[str]:
 
 
 def errors_on(page: str, family: cat.MetricSpec = cat.INSTRUMENTATION_ERRORS,
-              ) -> dict[str, float]:
-    """The non-zero series of a family with one label of its own (``hook``, ``check``)."""
+              nonzero: bool = True) -> dict[str, float]:
+    """The series (non-zero ones unless ``nonzero`` is False) of a family with one label
+    of its own (``hook``, ``check``, ``family``)."""
     label = next(iter(family.labels))
     out = {}
     for line in page.splitlines():
         if line.startswith(family.name + "{"):
             value = float(line.rsplit(" ", 1)[1])
-            if value:
+            if value or not nonzero:
                 out[line.split(f'{label}="')[1].split('"')[0]] = value
     return out
 
@@ -280,3 +281,6 @@ def test_a_hostile_hook_never_reaches_vllm_and_takes_its_families_off(
     on_before, on_now = families_on(instrumented["page"]), families_on(hostile["page"])
     assert not on_now & off, on_now & off
     assert on_before - off <= on_now, (on_before - off) - on_now
+    # ...and the page says which, for the alert on an absent family.
+    live = errors_on(hostile["page"], cat.FAMILY_LIVE, nonzero=False)
+    assert {f for f, v in live.items() if v == 0} == off & set(live), live
