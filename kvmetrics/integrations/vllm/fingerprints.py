@@ -117,10 +117,6 @@ class Verification:
     protect_verified: bool = False
     verified_versions: tuple[str, ...] = field(default_factory=tuple)
 
-    @property
-    def protect_differing(self) -> tuple[str, ...]:
-        return tuple(t for t in self.differing if t in PROTECT_TARGETS)
-
     def summary(self) -> str:
         if self.verified:
             return f"vLLM {self.version} (verified)"
