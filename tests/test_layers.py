@@ -234,3 +234,12 @@ def test_no_import_cycle_anywhere_in_kvmetrics() -> None:
     assert "kvmetrics.integrations.vllm.fault_mirror" in graph[
         "kvmetrics.integrations.vllm.faults"]  # the graph sees real edges
     assert _cycles(graph) == []
+
+
+def test_benchmarks_never_import_the_tests() -> None:
+    """Benchmarks are the tests' peers, not their users: what both need lives in
+    ``benchmarks/`` or in kvmetrics' lab (imports inside functions count too)."""
+    problems = [f"{path.name} imports {name}"
+                for path in sorted((PACKAGE.parent / "benchmarks").rglob("*.py"))
+                for name in _imports(path) if name.split(".")[0] == "tests"]
+    assert problems == []

@@ -23,8 +23,9 @@ import pytest
 from kvmetrics.cli.main import main
 from kvmetrics.integrations.vllm_lab import canaries, canary_bench
 from kvmetrics.integrations.vllm_lab.canaries import DEFECTS, Target, run_all, vllm_version
+from kvmetrics.integrations.vllm_lab.canary_bench import PROTECTED
+from kvmetrics.integrations.vllm_lab.patched import installed_series, patched_target
 from kvmetrics.integrations.vllm_lab.series import FIXES, PATCHES, series
-from tests.helpers.vllm_patch import installed_series, patched_target
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = [d.id for d in DEFECTS]
@@ -49,11 +50,6 @@ UPSTREAM = {
     "async-sharer-in-flight": ["vllm-project/vllm#26813", "vllm-project/vllm#53298",
                                "vllm-project/vllm#56733"],
 }
-
-PROTECTED = Target("kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler",
-                   "kvmetrics.integrations.vllm.scheduler.InstrumentedAsyncScheduler",
-                   (("export", False), ("recovery", "evict")))
-
 
 def expected() -> dict[str, bool]:
     version = vllm_version()
