@@ -44,16 +44,22 @@ def cuda_or_refusal() -> str | None:
 
 
 def stage_preflight(device: str = "cuda") -> dict[str, Any]:
+    """The machine, and the data plane's own imports (numpy beside torch), so that a
+    missing dependency shows up here rather than as every later stage's error."""
+    import numpy
     import torch
+
+    import kvmetrics.kv  # noqa: F401
 
     if device != "cuda":
         return {"device_type": "cpu", "torch": torch.__version__, "device": "cpu",
-                "python": sys.version.split()[0]}
+                "numpy": numpy.__version__, "python": sys.version.split()[0]}
     props = torch.cuda.get_device_properties(0)
     return {"device_type": "cuda", "torch": torch.__version__, "cuda": torch.version.cuda,
             "device": props.name, "capability": f"{props.major}.{props.minor}",
             "memory_gib": round(props.total_memory / 2**30, 1),
-            "devices": torch.cuda.device_count(), "python": sys.version.split()[0]}
+            "devices": torch.cuda.device_count(), "numpy": numpy.__version__,
+            "python": sys.version.split()[0]}
 
 
 #: A small cache and few running requests over six long prefixes: prefixes are

@@ -31,12 +31,14 @@ elif [ -n "${GPU_CHECK_REHEARSE:-}" ]; then
   exit 2
 fi
 
-# stage, limit in seconds: 30 + 80 + 80 + 140 + 110 = 440 s, plus 20 s for the report.
-STAGES="preflight:30 load:80 verify:80 bench-load:140 bench-verify:110"
+# stage:limit in seconds. Worst case, every process killed at its limit plus the 5 s
+# grace of `timeout -k 5`: CUDA check 20, stages 30 + 75 + 75 + 130 + 95 = 405, report
+# 20, graces 7 x 5 = 35: 480 s, the 8 minutes.
+STAGES="preflight:30 load:75 verify:75 bench-load:130 bench-verify:95"
 parts=$(mktemp -d)
 trap 'rm -rf "$parts"' EXIT
 
-if ! refusal=$(timeout -k 5 30 "$python" -c \
+if ! refusal=$(timeout -k 5 20 "$python" -c \
     'from benchmarks.gpu_check import cuda_or_refusal as r; m = r(); print(m or "")' 2>&1); then
   echo "gpu-check: $python cannot load benchmarks.gpu_check: ${refusal:-no output}" \
     | tail -n 1 >&2
