@@ -62,7 +62,7 @@ def _place(lengths: list[int], gen: torch.Generator) -> tuple[torch.Tensor, int]
                       for k, length in enumerate(lengths)]), pos
 
 
-def _layout(kind: str, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+def load_layout(kind: str, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(store slots, cache block ids >= 1, size of the space) for one load of ``n`` blocks.
 
     ``runs``: a load of several requests' prefixes, each saved to consecutive store
@@ -106,7 +106,7 @@ def _bench_loads(device: torch.device, repeat: int) -> list[dict[str, float]]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     for (block_size, kv_dim, n), layout in itertools.product(LOAD_SHAPES, LAYOUTS):
-        slots, ids, space = _layout(layout, n, gen)
+        slots, ids, space = load_layout(layout, n, gen)
         store = torch.randn(space, block_size, kv_dim, generator=gen)
         if device.type == "cuda":
             store = store.pin_memory()

@@ -64,8 +64,8 @@ def _workload(target: Any, sharers: int, later: int) -> tuple[int, int]:
 
 def _variants(scratch: Path) -> list[tuple[str, Any]]:
     from kvmetrics.integrations.vllm_lab.canaries import VLLM
-    from tests.helpers.vllm_patch import installed_series, patched_target
-    from tests.test_vllm_check import PROTECTED
+    from kvmetrics.integrations.vllm_lab.canary_bench import PROTECTED
+    from kvmetrics.integrations.vllm_lab.patched import installed_series, patched_target
 
     patches = installed_series()
     found: list[tuple[str, Any]] = [("vLLM (reuses the failed KV)", VLLM)]

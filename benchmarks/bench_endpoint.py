@@ -301,7 +301,7 @@ def _client_hello() -> bytes:
 def measure_memory(pending: int, tls: bool) -> dict[str, float]:
     """Endpoint RSS idle, with ``pending`` connections open (TLS: each sent a
     ClientHello and stalls; plain: silent), and after they closed."""
-    from tests.helpers.tls import make_tls_material
+    from benchmarks.tls import make_tls_material
 
     _raise_fd_limit()
     with tempfile.TemporaryDirectory() as folder:

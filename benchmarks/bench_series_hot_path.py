@@ -55,7 +55,7 @@ def _per_step(target: Any, batch: int, steps: int) -> tuple[float, float]:
 
 def run(quick: bool = False) -> list[Row]:
     from kvmetrics.integrations.vllm_lab.canaries import VLLM, vllm_version
-    from tests.helpers.vllm_patch import installed_series, patched_target
+    from kvmetrics.integrations.vllm_lab.patched import installed_series, patched_target
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     logging.getLogger("vllm").setLevel(logging.ERROR)

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import Row
-from tests.helpers.vllm_server import ServerSpec, VllmServer, greedy_prompts, total
+from benchmarks.vllm_server import ServerSpec, VllmServer, greedy_prompts, total
 
 TARGET = 1.02
 #: vLLM's worker busy-polls its message queue for a second after the last step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,3 +85,10 @@ def interleaved_cpu_ratios(a: Callable[[], object], b: Callable[[], object], rou
             tb.append(cpu(b))
     ratios = sorted(x / y for x, y in zip(ta, tb, strict=True))
     return sorted(ta)[len(ta) // 2], sorted(tb)[len(tb) // 2], ratios
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the kernel's pick), for servers under test."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

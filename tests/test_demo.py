@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common import free_port
+from benchmarks.vllm_server import RECOVERED, stop_process_group, vllm_cpu_python
 from kvmetrics.integrations.vllm.exporting import LOGGER, ExportSettings, build_exporter
-from tests.helpers.prometheus import free_port
-from tests.helpers.vllm_server import RECOVERED, stop_process_group, vllm_cpu_python
 from tests.lab_support import REPO
 
 

@@ -26,12 +26,12 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from benchmarks.tls import TLSMaterial, make_tls_material
 from kvmetrics.exporters.http import ServerLimits
 from kvmetrics.exporters.prometheus import MetricsServer, PrometheusSink, TLSOptions, serve
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement, StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
-from tests.helpers.tls import TLSMaterial, make_tls_material
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.tls import make_tls_material
 from kvmetrics.exporters.prometheus import PrometheusSink, TLSOptions, parse_host_port, serve
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.metrics import counters_from_page, pipeline_counters
 from tests.helpers.runs import exporter_phases
-from tests.helpers.tls import make_tls_material
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -134,3 +134,112 @@ def test_every_kvmetrics_logger_escapes_what_it_logs() -> None:
     assert "kvmetrics.http" in rows and "vllm.kvmetrics" in rows
     assert [name for name, ok in rows.items() if ok != "True"] == []
 
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node that can run: all of them but the bodies of ``if TYPE_CHECKING:``
+    (imports for type hints only, which never execute)."""
+    nodes: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        nodes.append(node)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                                   "typing.TYPE_CHECKING"):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """kvmetrics module -> the kvmetrics modules it imports when it runs, anywhere in
+    its body (a lazy import inside a function closes a cycle as surely as one at the
+    top). ``from package import name`` points at ``package.name`` when that is a
+    module, else at the package; the implicit import of parent packages is left out,
+    as every tool that draws import graphs leaves it out."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in modules else base)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_cycle_finder_finds_a_cycle_through_a_lazy_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n"
+              "    import b\ndef f():\n    import c\n")
+    imported = {alias.name for node in _runtime_nodes(ast.parse(source))
+                if isinstance(node, ast.Import) for alias in node.names}
+    assert imported == {"b", "c"}
+
+
+def test_no_import_cycle_anywhere_in_kvmetrics() -> None:
+    graph = _import_graph()
+    assert "kvmetrics.integrations.vllm.fault_mirror" in graph[
+        "kvmetrics.integrations.vllm.faults"]  # the graph sees real edges
+    assert _cycles(graph) == []
+
+
+def test_benchmarks_never_import_the_tests() -> None:
+    """Benchmarks are the tests' peers, not their users: what both need lives in
+    ``benchmarks/`` or in kvmetrics' lab (imports inside functions count too)."""
+    problems = [f"{path.name} imports {name}"
+                for path in sorted((PACKAGE.parent / "benchmarks").rglob("*.py"))
+                for name in _imports(path) if name.split(".")[0] == "tests"]
+    assert problems == []

@@ -27,12 +27,13 @@ from typing import Any
 import pytest
 import yaml
 
+from benchmarks.common import free_port
 from dashboards import kv_cache_recovery
 from dashboards.build import all_targets, variable_queries
 from dashboards.queries import GRAFANA_VARS, ratio, substitute_grafana_vars
 from kvmetrics import __version__
 from kvmetrics.metrics import catalogue
-from tests.helpers.prometheus import PrometheusServer, free_port, poll, running_prometheus
+from tests.helpers.prometheus import PrometheusServer, poll, running_prometheus
 from tests.lab_support import REPO, console_script
 
 RULES = REPO / "deploy" / "prometheus" / "rules.yml"

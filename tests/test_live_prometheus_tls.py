@@ -8,12 +8,12 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
+from benchmarks.tls import make_tls_material
 from kvmetrics.exporters.prometheus import PrometheusSink, TLSOptions, serve
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement, StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.prometheus import poll, running_prometheus
-from tests.helpers.tls import make_tls_material
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 

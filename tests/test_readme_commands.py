@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.vllm_server import vllm_cpu_python
+from benchmarks.vllm_server import vllm_cpu_python
 from tests.lab_support import REPO
 
 README = REPO / "README.md"

@@ -8,10 +8,10 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.common import free_port
 from kvmetrics.lab.config import LabConfig
 from kvmetrics.lab.runner import LabResult, run_lab
 from kvmetrics.metrics import catalogue as cat
-from tests.helpers.prometheus import free_port
 
 SCRAPERS = 4
 MAX_SCRAPES = 4000  # bounded in count ...

@@ -28,7 +28,7 @@ import threading
 
 import pytest
 
-from tests.helpers.vllm_server import (
+from benchmarks.vllm_server import (
     ServerSpec,
     VllmServer,
     greedy_prompts,

@@ -33,10 +33,7 @@ import re
 
 import pytest
 
-from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
-from tests.helpers.series_overlay import series_overlay
-from tests.helpers.slow_connector import SLOW_MARK
-from tests.helpers.vllm_server import (
+from benchmarks.vllm_server import (
     ServerSpec,
     VllmServer,
     greedy_prompts,
@@ -44,6 +41,9 @@ from tests.helpers.vllm_server import (
     total,
     wait_until,
 )
+from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
+from tests.helpers.series_overlay import series_overlay
+from tests.helpers.slow_connector import SLOW_MARK
 
 MAX_TOKENS = 8
 SHARED = greedy_prompts(1, seed=21, lengths=(100,))[0]

@@ -22,7 +22,7 @@ import re
 
 import pytest
 
-from tests.helpers.vllm_server import (
+from benchmarks.vllm_server import (
     CONNECTOR_PROMPTS,
     ServerSpec,
     VllmServer,

@@ -39,11 +39,7 @@ import time
 
 import pytest
 
-from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
-from tests.helpers.load_only_connector import LOAD_ONLY_MARK
-from tests.helpers.series_overlay import series_overlay
-from tests.helpers.slow_connector import SLOW_MARK
-from tests.helpers.vllm_server import (
+from benchmarks.vllm_server import (
     BLOCK_SIZE,
     ServerSpec,
     VllmServer,
@@ -53,6 +49,10 @@ from tests.helpers.vllm_server import (
     total,
     wait_until,
 )
+from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
+from tests.helpers.load_only_connector import LOAD_ONLY_MARK
+from tests.helpers.series_overlay import series_overlay
+from tests.helpers.slow_connector import SLOW_MARK
 
 MAX_TOKENS = 8
 OWNER = greedy_prompts(1, seed=23, lengths=(100,))[0]

@@ -36,8 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
-from tests.helpers.vllm_server import (
+from benchmarks.vllm_server import (
     BLOCK_SIZE,
     CONNECTOR_PROMPTS,
     RECOVERED,
@@ -48,6 +47,7 @@ from tests.helpers.vllm_server import (
     total,
     wait_until,
 )
+from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
 
 PROMPTS = CONNECTOR_PROMPTS
 MAX_TOKENS = 8

@@ -39,6 +39,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.vllm_server import (
+    RECOVERED,
+    VllmServer,
+    greedy_prompts,
+    output_tokens,
+    total,
+)
 from kvmetrics.integrations.vllm.fault_plan import FaultPlan, parse_settings
 from kvmetrics.metrics import catalogue
 from tests.helpers.nixl_pd import (
@@ -48,13 +55,6 @@ from tests.helpers.nixl_pd import (
     pd_specs,
     shake_hands,
     started,
-)
-from tests.helpers.vllm_server import (
-    RECOVERED,
-    VllmServer,
-    greedy_prompts,
-    output_tokens,
-    total,
 )
 
 PROMPTS = greedy_prompts(6, seed=8, lengths=(100, 70, 130))

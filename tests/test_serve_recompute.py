@@ -39,8 +39,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.helpers.prometheus import running_prometheus, scrape_config
-from tests.helpers.vllm_server import (
+from benchmarks.vllm_server import (
     BLOCK_SIZE,
     CONNECTOR_PROMPTS,
     RECOVERED,
@@ -52,6 +51,7 @@ from tests.helpers.vllm_server import (
     request_id_of,
     total,
 )
+from tests.helpers.prometheus import running_prometheus, scrape_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"

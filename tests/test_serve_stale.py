@@ -35,9 +35,7 @@ import re
 
 import pytest
 
-from tests.helpers.defect_server import scripted_faults_config
-from tests.helpers.series_overlay import series_overlay
-from tests.helpers.vllm_server import (
+from benchmarks.vllm_server import (
     ServerSpec,
     VllmServer,
     greedy_prompts,
@@ -45,6 +43,8 @@ from tests.helpers.vllm_server import (
     total,
     wait_until,
 )
+from tests.helpers.defect_server import scripted_faults_config
+from tests.helpers.series_overlay import series_overlay
 
 A = greedy_prompts(1, seed=7, lengths=(100,))[0]
 MAX_TOKENS = 8

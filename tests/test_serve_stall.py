@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
-from tests.helpers.vllm_server import (
+from benchmarks.vllm_server import (
     BLOCK_SIZE,
     RECOVERED,
     ServerSpec,
@@ -35,6 +34,7 @@ from tests.helpers.vllm_server import (
     greedy_prompts,
     output_tokens,
 )
+from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
 
 MAX_TOKENS = 8
 LONG = greedy_prompts(1, seed=31, lengths=(300,))[0]

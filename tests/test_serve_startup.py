@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers.vllm_server import ServerSpec, VllmServer, connector_config
+from benchmarks.vllm_server import ServerSpec, VllmServer, connector_config
 
 
 def test_a_bad_fault_rate_stops_the_server_naming_the_key(tmp_path: Path) -> None:

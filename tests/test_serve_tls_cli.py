@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.prometheus import free_port
-from tests.helpers.tls import TLSMaterial, make_tls_material
+from benchmarks.common import free_port
+from benchmarks.tls import TLSMaterial, make_tls_material
 from tests.lab_support import console_script
 
 QUICK = ["--max-requests", "10", "--verify", "off", "--no-progress"]

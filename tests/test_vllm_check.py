@@ -23,8 +23,9 @@ import pytest
 from kvmetrics.cli.main import main
 from kvmetrics.integrations.vllm_lab import canaries, canary_bench
 from kvmetrics.integrations.vllm_lab.canaries import DEFECTS, Target, run_all, vllm_version
+from kvmetrics.integrations.vllm_lab.canary_bench import PROTECTED
+from kvmetrics.integrations.vllm_lab.patched import installed_series, patched_target
 from kvmetrics.integrations.vllm_lab.series import FIXES, PATCHES, series
-from tests.helpers.vllm_patch import installed_series, patched_target
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = [d.id for d in DEFECTS]
@@ -55,10 +56,6 @@ UPSTREAM = {
 #: sources' .github/PULL_REQUEST_TEMPLATE.md) and that carry a DCO sign-off; the
 #: others still use the earlier Purpose / Test Plan / Test Result layout.
 CURRENT_TEMPLATE = {"0004-async-load-own-reservation.patch"}
-
-PROTECTED = Target("kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler",
-                   "kvmetrics.integrations.vllm.scheduler.InstrumentedAsyncScheduler",
-                   (("export", False), ("recovery", "evict")))
 
 
 def expected() -> dict[str, bool]:

@@ -31,8 +31,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from kvmetrics.integrations.vllm import fault_interface
-from kvmetrics.integrations.vllm.fault_mirror import fault_injecting
-from kvmetrics.integrations.vllm.faults import FaultConfigError, FaultInjectingConnector
+from kvmetrics.integrations.vllm.faults import (
+    FaultConfigError,
+    FaultInjectingConnector,
+    fault_injecting,
+)
 from kvmetrics.integrations.vllm_lab import builder
 from kvmetrics.integrations.vllm_lab.compat import cpu_config_context
 from tests.helpers import synthetic_connectors
@@ -153,7 +156,7 @@ def test_an_unknown_supports_mixin_stops_the_plain_wrapper() -> None:
     assert "\n" not in message
     assert "TeleportConnector has SupportsTeleport," in message
     assert (f"add FaultInjectingTeleportConnector = fault_injecting(TeleportConnector) "
-            f"(from kvmetrics.integrations.vllm.fault_mirror) to {SYNTHETIC}") in message
+            f"(from kvmetrics.integrations.vllm.faults) to {SYNTHETIC}") in message
 
 
 def test_the_mirrored_class_of_an_own_module_declares_and_forwards_the_unknown_mixin() -> None:

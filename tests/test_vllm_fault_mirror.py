@@ -141,7 +141,7 @@ def test_the_api_server_logs_the_inner_connectors_transfer_metrics() -> None:
 
 
 def test_a_mirrored_class_names_its_inner_connector() -> None:
-    cls = fault_mirror.mirrored_connector("ExampleConnector")
+    cls = fault_mirror.mirrored_connector(FaultInjectingConnector, "ExampleConnector")
     assert cls.parse({}).inner_connector == "ExampleConnector"
     with pytest.raises(FaultConfigError, match=r"inner_connector: FaultInjectingExampleConnector "
                                                r"wraps ExampleConnector, got 'NixlConnector'"):

@@ -18,8 +18,8 @@ import logging
 import pytest
 
 from kvmetrics.integrations.vllm_lab import canaries
+from kvmetrics.integrations.vllm_lab.canary_bench import PROTECTED
 from kvmetrics.integrations.vllm_lab.stall_regime import retry
-from tests.test_vllm_check import PROTECTED
 
 
 def admitted_by_hand(usable: int, prompt_tokens: int, offered_tokens: int) -> bool:

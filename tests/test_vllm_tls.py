@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.tls import TLSMaterial, make_tls_material
 from kvmetrics.integrations.vllm.exporting import settings_for
-from tests.helpers.tls import TLSMaterial, make_tls_material
 from tests.test_vllm_export import _vllm_config, failing_engine
 
 

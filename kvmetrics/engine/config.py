@@ -110,10 +110,6 @@ class SchedulerConfig:
             if value not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
 
-    @property
-    def max_blocks_per_request(self) -> int:
-        return -(-self.max_model_len // self.block_size)
-
 
 #: Fields with a fixed set of values, checked in this order.
 _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -25,7 +25,6 @@ class ScheduledRequest:
     #: Tokens the request knows at schedule time; a step that reaches this many
     #: computed tokens samples the next one.
     num_tokens: int
-    is_prefill: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -190,9 +190,7 @@ class Scheduler:
             events.recomputed("preemption", redo_end - split, request.request_id)
         block_ids = self.kv.req_block_ids[request.request_id]
         known = request.num_tokens + request.num_output_placeholders
-        out.scheduled.append(ScheduledRequest(
-            request.request_id, c, n, block_ids, known,
-            is_prefill=c < request.num_prompt_tokens))
+        out.scheduled.append(ScheduledRequest(request.request_id, c, n, block_ids, known))
         if self.connector is not None:
             # Every block this step completes whose tokens are known (an async
             # scheduler may run ahead of them; the first may be partly computed).

@@ -8,20 +8,13 @@ without it).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
-from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.guard import CounterViolationError
 from kvmetrics.metrics.logs import get_logger
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = get_logger("kvmetrics.instrument")
-
-
-class EventSource(Protocol):
-    """What an engine must offer to be instrumented."""
-
-    def drain_events(self) -> list[StepEvents]: ...
 
 
 class InstrumentedEngine:

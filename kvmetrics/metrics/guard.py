@@ -89,11 +89,6 @@ class Violation:
         return out
 
 
-def check_increment(inc: CounterIncrement, step: int) -> Violation | None:
-    """Return the violation an increment would cause, or None if it is safe to apply."""
-    return guard_increment(inc, step)[1]
-
-
 def guard_increment(inc: CounterIncrement, step: int) -> tuple[float, Violation | None]:
     """``(amount as a float, None)`` for an increment safe to apply, else ``(nan, the
     violation)``. Total: whatever ``inc`` holds (an array for an amount, ``None`` for the

@@ -11,7 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.vllm_server import VllmServer
+from benchmarks.vllm_server import VllmServer
 
 
 def scripted_faults_config(storage: Path, policy: str, fault_loads: list[int],

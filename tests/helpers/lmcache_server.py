@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.helpers.prometheus import free_port
-from tests.helpers.vllm_server import (
+from benchmarks.common import free_port
+from benchmarks.vllm_server import (
     BLOCK_SIZE,
     ServerError,
     stop_process_group,

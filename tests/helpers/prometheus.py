@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from benchmarks.common import free_port
+
 T = TypeVar("T")
 
 PROMETHEUS = os.environ.get("KVMETRICS_PROMETHEUS", "prometheus")
@@ -33,12 +34,6 @@ PROMETHEUS = os.environ.get("KVMETRICS_PROMETHEUS", "prometheus")
 
 class PrometheusError(RuntimeError):
     """Prometheus did not start, answered an error, or a wait ran out of time."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def poll(fetch: Callable[[], T | None], timeout: float, what: str,

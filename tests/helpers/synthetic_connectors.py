@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from kvmetrics.integrations.vllm.fault_mirror import fault_injecting
+from kvmetrics.integrations.vllm.faults import fault_injecting
 
 
 class SupportsTeleport(ABC):
@@ -92,5 +92,5 @@ class AnsweringConnector(PlainConnector):
         return kv_transfer_config.kv_connector_extra_config.get("lookahead") == "yes"
 
 
-#: How a connector module of one's own offers the mirrored wrapper (fault_mirror).
+#: How a connector module of one's own offers the mirrored wrapper.
 FaultInjectingTeleportConnector = fault_injecting(TeleportConnector)

@@ -15,8 +15,13 @@ methods to the inner connector and gives the inner class's class-level answers.
   module ``__getattr__`` calls :func:`resolve`), so the same class exists in every
   process.
 * A connector from a module of one's own: ``FaultInjectingMyConnector =
-  fault_injecting(MyConnector)`` in that module, named with
-  ``kv_connector_module_path`` as vLLM names any external connector.
+  fault_injecting(MyConnector)`` in that module (``fault_injecting`` from
+  :mod:`~kvmetrics.integrations.vllm.faults`), named with ``kv_connector_module_path``
+  as vLLM names any external connector.
+
+Every function here takes the plain wrapper class (``base``) as an argument rather
+than importing it: :mod:`~kvmetrics.integrations.vllm.faults` imports this module,
+never the other way round.
 
 The plain wrapper refuses to start around a connector it would hide something of
 (:func:`refuse_unmirrored`), with the name of the class to use.
@@ -34,7 +39,6 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-from kvmetrics.integrations.vllm import faults
 from kvmetrics.integrations.vllm.fault_interface import (
     forwarder,
     interfaces,
@@ -42,11 +46,12 @@ from kvmetrics.integrations.vllm.fault_interface import (
     unmirrored,
 )
 from kvmetrics.integrations.vllm.fault_plan import FaultSettings, fail
-from kvmetrics.integrations.vllm.faults import FaultInjectingConnector
 
 #: Prefix of the mirrored classes' names: ``FaultInjecting`` + vLLM's registered name.
 MIRROR_PREFIX = "FaultInjecting"
-_mirrors: dict[str, type[FaultInjectingConnector]] = {}
+#: The plain wrapper class, FaultInjectingConnector (or a subclass).
+Wrapper = type[KVConnectorBase_V1]
+_mirrors: dict[tuple[Wrapper, str], Wrapper] = {}
 
 
 def _interface_forwarders(mixins: tuple[type, ...]) -> dict[str, Any]:
@@ -62,7 +67,7 @@ def _interface_forwarders(mixins: tuple[type, ...]) -> dict[str, Any]:
     return methods
 
 
-def _request_finished_all_groups(self: FaultInjectingConnector, request: Any,
+def _request_finished_all_groups(self: Any, request: Any,
                                  block_ids: tuple[list[int], ...]) -> Any:
     # vLLM calls this instead of request_finished on an HMA connector.
     self._lookups.pop(request.request_id, None)
@@ -70,12 +75,12 @@ def _request_finished_all_groups(self: FaultInjectingConnector, request: Any,
     return self._inner.request_finished_all_groups(request, block_ids)
 
 
-def _build(inner: type[KVConnectorBase_V1], name: str, wrapped_name: str,
-           wrapped_module: str | None, module: str) -> type[FaultInjectingConnector]:
+def _build(base: Wrapper, inner: type[KVConnectorBase_V1], name: str, wrapped_name: str,
+           wrapped_module: str | None, module: str) -> Wrapper:
     mixins = interfaces(inner)
     namespace: dict[str, Any] = {
         "__module__": module, "__qualname__": name,
-        "__doc__": f"FaultInjectingConnector around {inner.__name__}, with its interfaces.",
+        "__doc__": f"{base.__name__} around {inner.__name__}, with its interfaces.",
         "_wrapped_name": wrapped_name, "_wrapped_module": wrapped_module,
         # The API server never builds a connector: answer from the class itself.
         "build_kv_connector_stats": classmethod(
@@ -85,17 +90,16 @@ def _build(inner: type[KVConnectorBase_V1], name: str, wrapped_name: str,
     }
     if any(hasattr(m, "request_finished_all_groups") for m in mixins):
         namespace["request_finished_all_groups"] = _request_finished_all_groups
-    return type(name, (FaultInjectingConnector, *mixins), namespace)
+    return type(name, (base, *mixins), namespace)
 
 
-def mirrored_connector(inner_name: str) -> type[FaultInjectingConnector]:
-    """``FaultInjectingConnector`` for vLLM's registered connector ``inner_name``: a
+def mirrored_connector(base: Wrapper, inner_name: str) -> Wrapper:
+    """``base`` (the plain wrapper) for vLLM's registered connector ``inner_name``: a
     subclass declaring the inner class's interfaces and answering vLLM's class-level
     questions (stats class, hit source) with the inner class's answers. Built once
     per process on first lookup; reachable as ``FaultInjecting<inner_name>`` in
-    :mod:`kvmetrics.integrations.vllm.faults`, so vLLM's factory finds it by name in
-    every process."""
-    cached = _mirrors.get(inner_name)
+    ``base``'s module, so vLLM's factory finds it by name in every process."""
+    cached = _mirrors.get((base, inner_name))
     if cached is not None:
         return cached
     inner = KVConnectorFactory.get_connector_class_by_name(inner_name)
@@ -104,38 +108,31 @@ def mirrored_connector(inner_name: str) -> type[FaultInjectingConnector]:
     if inner_name == "MultiConnector":
         # Its HMA support depends on its children, which vLLM asks by name.
         raise ValueError("MultiConnector cannot be mirrored; wrap its children instead")
-    cls = _build(inner, MIRROR_PREFIX + inner_name, inner_name, None, faults.__name__)
-    _mirrors[inner_name] = cls
+    cls = _build(base, inner, MIRROR_PREFIX + inner_name, inner_name, None, base.__module__)
+    _mirrors[(base, inner_name)] = cls
     return cls
 
 
-def fault_injecting(inner: type[KVConnectorBase_V1]) -> type[FaultInjectingConnector]:
-    """The mirrored wrapper of a connector class that is not registered with vLLM.
-    Assign it in the connector's own module under its name, and name it as vLLM names
-    any external connector::
-
-        FaultInjectingMyConnector = fault_injecting(MyConnector)  # in my_module
-
-        --kv-transfer-config '{"kv_connector": "FaultInjectingMyConnector",
-          "kv_connector_module_path": "my_module", ...}'
-    """
+def mirror_of(base: Wrapper, inner: type[KVConnectorBase_V1]) -> Wrapper:
+    """``base`` mirroring a connector class that is not registered with vLLM, living in
+    the inner class's module (what ``faults.fault_injecting`` returns)."""
     if not (isinstance(inner, type) and issubclass(inner, KVConnectorBase_V1)):
         raise TypeError(f"{inner!r} is not a v1 KV connector class")
     name = MIRROR_PREFIX + inner.__name__
-    return _build(inner, name, inner.__name__, inner.__module__, inner.__module__)
+    return _build(base, inner, name, inner.__name__, inner.__module__, inner.__module__)
 
 
-def resolve(name: str) -> Any:
+def resolve(base: Wrapper, name: str) -> Any:
     """``FaultInjecting<registered connector>``: the mirrored class, built on demand
-    (the module ``faults``' ``__getattr__``)."""
-    if name.startswith(MIRROR_PREFIX) and name != "FaultInjectingConnector" \
+    (the ``__getattr__`` of ``base``'s module)."""
+    if name.startswith(MIRROR_PREFIX) and name != base.__name__ \
             and len(name) > len(MIRROR_PREFIX):
         try:
-            return mirrored_connector(name[len(MIRROR_PREFIX):])
+            return mirrored_connector(base, name[len(MIRROR_PREFIX):])
         except (ValueError, ImportError) as e:
             raise AttributeError(f"{name}: {str(e).splitlines()[0] if str(e) else e!r}") \
                 from None
-    raise AttributeError(f"module {faults.__name__!r} has no attribute {name!r}")
+    raise AttributeError(f"module {base.__module__!r} has no attribute {name!r}")
 
 
 def _registered_as(inner: type, name: str) -> bool:
@@ -146,7 +143,7 @@ def _registered_as(inner: type, name: str) -> bool:
         return False
 
 
-def refuse_unmirrored(wrapper: type[FaultInjectingConnector], inner: type,
+def refuse_unmirrored(wrapper: Any, inner: type,
                       settings: FaultSettings) -> None:
     """Raise FaultConfigError (one line) when vLLM would not see all of ``inner`` through
     ``wrapper``, naming the class that mirrors it. vLLM would treat the wrapper as a
@@ -162,7 +159,7 @@ def refuse_unmirrored(wrapper: type[FaultInjectingConnector], inner: type,
         raise fail("inner_connector", f"{what}; kvmetrics cannot mirror these yet")
     if settings.inner_module_path is None or _registered_as(inner, settings.inner_connector):
         try:
-            mirror = mirrored_connector(settings.inner_connector)
+            mirror = mirrored_connector(wrapper, settings.inner_connector)
         except (ValueError, ImportError) as e:
             raise fail("inner_connector", f"{what}; and it cannot be mirrored: "
                        f"{str(e).splitlines()[0] if str(e) else e!r}") from None
@@ -170,7 +167,7 @@ def refuse_unmirrored(wrapper: type[FaultInjectingConnector], inner: type,
             raise fail("inner_connector", f"{what}; kvmetrics cannot mirror "
                        f"{', '.join(unmirrored(mirror, inner))} yet")
         raise fail("inner_connector", f'{what}; use "kv_connector": "{mirror.__name__}" '
-                   f'with "kv_connector_module_path": "{faults.__name__}"')
+                   f'with "kv_connector_module_path": "{wrapper.__module__}"')
     raise fail("inner_connector", f"{what}; add {MIRROR_PREFIX}{inner.__name__} = "
-               f"fault_injecting({inner.__name__}) (from {__name__}) to "
+               f"fault_injecting({inner.__name__}) (from {wrapper.__module__}) to "
                f"{settings.inner_module_path} and name that class instead")

@@ -55,10 +55,10 @@ read ``inner_connector`` out of a config it is never shown, so the wrapper for a
 connector registered with vLLM is named after it: ``FaultInjectingNixlConnector``,
 ``FaultInjectingLMCacheMPConnector``, ... (``FaultInjecting`` + the registered
 name; ``inner_connector`` may then be left out). Such a class is built on first
-lookup, the same in every process, by :func:`mirrored_connector`: it declares every
-optional interface the inner class declares and answers vLLM's class-level
-questions with the inner class's answers; for a connector of one's own module,
-``FaultInjectingMyConnector = fault_injecting(MyConnector)`` there. The plain
+lookup, the same in every process, by :mod:`~kvmetrics.integrations.vllm.fault_mirror`:
+it declares every optional interface the inner class declares and answers vLLM's
+class-level questions with the inner class's answers; for a connector of one's own
+module, ``FaultInjectingMyConnector = fault_injecting(MyConnector)`` there. The plain
 ``FaultInjectingConnector`` declares no interface, so vLLM would treat it as another
 connector (around NIXL: hybrid KV cache manager off on one side, a compatibility hash
 mismatch on every transfer); it refuses to start, with a one-line
@@ -83,10 +83,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvmetrics.integrations.vllm import fault_mirror
 from kvmetrics.integrations.vllm.fault_interface import class_forwarder, install, process_local
 from kvmetrics.integrations.vllm.fault_plan import (
-    FAULT_MODES,
-    POISON_SCALE,
     FaultConfigError,
     FaultPlan,
     FaultSettings,
@@ -97,9 +96,8 @@ from kvmetrics.integrations.vllm.fault_plan import (
 )
 from kvmetrics.metrics.logs import get_logger
 
-__all__ = ["FAULT_MODES", "POISON_SCALE", "FaultConfigError", "FaultInjectingConnector",
-           "FaultInjectingMetadata", "FaultPlan", "FaultSettings", "InjectedFault",
-           "parse_settings", "poison_blocks"]
+__all__ = ["FaultConfigError", "FaultInjectingConnector", "FaultInjectingMetadata",
+           "fault_injecting"]
 
 # Under vLLM's logger tree so the lines carry vLLM's prefix (process, time).
 log = get_logger("vllm.kvmetrics.faults")
@@ -181,9 +179,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         self.plan = FaultPlan(self.settings)
         cls = _inner_class(self._kv_transfer_config, self.settings)
         FaultInjectingConnector._last_inner_class = cls
-        from kvmetrics.integrations.vllm.fault_mirror import refuse_unmirrored
-
-        refuse_unmirrored(type(self), cls, self.settings)
+        fault_mirror.refuse_unmirrored(type(self), cls, self.settings)
         self._inner = cls(_inner_vllm_config(vllm_config, self.settings), role,
                           kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
@@ -466,9 +462,20 @@ class _InnerOnly:
 install(FaultInjectingConnector)
 
 
+def fault_injecting(inner: type[KVConnectorBase_V1]) -> type[FaultInjectingConnector]:
+    """The mirrored wrapper of a connector class that is not registered with vLLM.
+    Assign it in the connector's own module under its name, and name it as vLLM names
+    any external connector::
+
+        FaultInjectingMyConnector = fault_injecting(MyConnector)  # in my_module
+
+        --kv-transfer-config '{"kv_connector": "FaultInjectingMyConnector",
+          "kv_connector_module_path": "my_module", ...}'
+    """
+    return fault_mirror.mirror_of(FaultInjectingConnector, inner)  # type: ignore[return-value]
+
+
 def __getattr__(name: str) -> Any:
     """``FaultInjecting<registered connector>``: the mirrored class, built on first lookup
     (see :mod:`kvmetrics.integrations.vllm.fault_mirror`)."""
-    from kvmetrics.integrations.vllm import fault_mirror
-
-    return fault_mirror.resolve(name)
+    return fault_mirror.resolve(FaultInjectingConnector, name)

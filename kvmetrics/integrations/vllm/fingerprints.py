@@ -57,13 +57,6 @@ TARGETS: tuple[str, ...] = (
     "vllm.v1.outputs:KVConnectorOutput",
     "vllm.v1.request:RequestStatus",
 )
-#: The targets the protective recovery overrides or depends on.
-PROTECT_TARGETS: frozenset[str] = frozenset(
-    t for t in TARGETS if t.rsplit(".", 1)[-1] in {
-        "_update_requests_with_invalid_blocks", "_handle_invalid_blocks", "_free_request",
-        "update_from_output", "_update_waiting_for_remote_kv",
-        "_handle_blocked_waiting_request", "_reserve_parked", "_unreserve_parked",
-        "schedule", "__init__", "AsyncScheduler"})
 
 
 def fingerprint(target: str) -> str:
@@ -116,10 +109,6 @@ class Verification:
     #: The protective recovery was verified on that version too.
     protect_verified: bool = False
     verified_versions: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def protect_differing(self) -> tuple[str, ...]:
-        return tuple(t for t in self.differing if t in PROTECT_TARGETS)
 
     def summary(self) -> str:
         if self.verified:

@@ -35,6 +35,11 @@ class Target:
 
 
 VLLM = Target()
+#: kvmetrics' instrumented scheduler with the protective recovery on
+#: (``KVMETRICS_RECOVERY=evict``, export off): every canary reports its defect fixed.
+PROTECTED = Target("kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler",
+                   "kvmetrics.integrations.vllm.scheduler.InstrumentedAsyncScheduler",
+                   (("export", False), ("recovery", "evict")))
 _target = VLLM
 
 

@@ -20,10 +20,6 @@ from typing import Any
 #: (``get_block_ids_with_load_errors``) for loads they make synchronously.
 SYNC_REPORTERS = ("LMCacheConnectorV1 (in-process LMCache)", "MultiConnector around one",
                   "any connector whose loads are sync and that reports invalid_block_ids")
-#: ... and for loads they make asynchronously (``WAITING_FOR_REMOTE_KVS``).
-ASYNC_REPORTERS = ("LMCacheMPConnector (LMCache multi-process mode)",
-                   "MooncakeStoreConnector (load_async, the default)",
-                   "MooncakeConnector and MoRIIOConnector (P/D)")
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,7 @@ def convert_output(out: Any, step: int, worker: WorkerState, requests: dict[str,
         c = before[rid]
         blocks = worker.block_tables.get(rid, [])
         num_tokens = request.num_prompt_tokens + outputs[rid]
-        result.scheduled.append(ScheduledRequest(
-            rid, c, n, list(blocks), num_tokens, is_prefill=c < request.num_prompt_tokens))
+        result.scheduled.append(ScheduledRequest(rid, c, n, list(blocks), num_tokens))
         if has_connector:
             hashes = request.block_hashes
             # Only blocks of known tokens have hashes (an async scheduler may run ahead).

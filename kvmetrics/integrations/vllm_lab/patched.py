@@ -21,9 +21,9 @@ from types import ModuleType
 import vllm
 
 from kvmetrics.integrations.vllm_lab.canaries import Target, vllm_version
-from kvmetrics.integrations.vllm_lab.series import PATCHES, series
+from kvmetrics.integrations.vllm_lab.series import series
 
-__all__ = ["PATCHES", "installed_series", "patched_target"]
+__all__ = ["installed_series", "patched_target"]
 SCHED = Path("vllm/v1/core/sched")
 _names = itertools.count()
 
