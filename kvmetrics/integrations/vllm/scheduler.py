@@ -173,7 +173,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
             settings.recovery = self.kvmetrics_recovery
             if verification is not None:
                 settings.vllm = (verification.version, str(verification.verified).lower(),
-                                 ",".join(t.partition(":")[2] for t in verification.differing))
+                                 verification.differ_label())
             if settings.export:
                 settings.absent_families = kv.disabled
                 kv.newly_absent = set()  # the pipeline starts without them
