@@ -25,18 +25,20 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmetrics.integrations.vllm.exporting import check_setting_keys
+from tests.helpers.tls import make_tls_material
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = "7"
 
 
 class Engine:
-    def __init__(self, mode: str, addr: str = "127.0.0.1:0") -> None:
+    def __init__(self, mode: str, addr: str = "127.0.0.1:0", *tls_files: str) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.serve_engine", mode, addr, SEED], cwd=REPO,
+            [sys.executable, "-m", "tests.helpers.serve_engine", mode, addr, SEED, *tls_files],
+            cwd=REPO,
             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         assert self.proc.stdout is not None
@@ -117,6 +119,21 @@ def test_the_exporter_process_serves_the_page_the_engine_would(engines: list[Eng
     in_process.shutdown()
     assert not psutil.pid_exists(in_process.info["child"])
     assert not os.path.exists(in_process.info["dir"])
+
+
+def test_the_exporter_process_serves_mutual_tls(engines: list[Engine], tmp_path: Path) -> None:
+    tls = make_tls_material(tmp_path)
+    engine = Engine("process", "127.0.0.1:0", str(tls.server_cert), str(tls.server_key),
+                    str(tls.ca_cert))
+    engines.append(engine)
+    url = f"https://127.0.0.1:{engine.port}/metrics"
+    with urllib.request.urlopen(url, context=tls.client_context(), timeout=30) as r:
+        assert b'kvmetrics_rolled_back_tokens_total{engine="0"' in r.read()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, context=tls.client_context(with_cert=False),
+                               timeout=30).read()
+    with pytest.raises(OSError):
+        _page(engine.port)  # plain HTTP
 
 
 def test_a_killed_exporter_comes_back_with_the_same_totals(engines: list[Engine]) -> None:

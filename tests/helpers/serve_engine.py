@@ -1,10 +1,12 @@
 """An engine process for the ``serve`` mode tests (``python -m tests.helpers.serve_engine``).
 
-    MODE ADDR SEED   build the vLLM integration's exporter with ``serve=MODE`` on ADDR,
+    MODE ADDR SEED [CERT KEY CA]
+                     build the vLLM integration's exporter with ``serve=MODE`` on ADDR,
                      run a seeded workload through it, print one JSON line (the port,
                      the exporter process's pid, the files' directory, the totals), then
                      wait: the line ``shutdown`` shuts the exporter down and prints
                      ``done``; EOF exits without any shutdown (as a killed engine would).
+                     With CERT KEY CA it serves mutual TLS.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import os
 import random
 import sys
 
+from kvmetrics.exporters.prometheus import TLSOptions
 from kvmetrics.integrations.vllm.exporting import ExportSettings, build_exporter
 from tests.helpers.workload import drive, random_workload, rig_for
 
 
-def main(mode: str, addr: str, seed: int) -> None:
+def main(mode: str, addr: str, seed: int, tls_files: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    exporter = build_exporter(ExportSettings(metrics_addr=addr, serve=mode, strict=True))
+    tls = TLSOptions(*tls_files) if tls_files else None
+    exporter = build_exporter(ExportSettings(metrics_addr=addr, serve=mode, strict=True,
+                                             tls=tls))
     workload = random_workload(random.Random(seed), n_requests=20, load_mode="mixed",
                                fault_rate=0.3, policy="recompute")
     drive(workload, rig_for(workload, exporter.pipeline))
@@ -40,4 +45,4 @@ def main(mode: str, addr: str, seed: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:])
