@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmetrics.integrations.vllm.exporting import check_setting_keys
+from tests.helpers import procs
 from tests.helpers.tls import make_tls_material
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,16 +72,7 @@ def engines() -> Iterator[list[Engine]]:
         child = engine.info.get("child")
         engine.stop()
         if child:  # never left running by a failed test
-            _stop_pid(child)
-
-
-def _stop_pid(pid: int) -> None:
-    try:
-        process = psutil.Process(pid)
-        process.kill()
-        process.wait(timeout=30)
-    except psutil.NoSuchProcess:
-        pass
+            procs.kill(child)
 
 
 def _page(port: int) -> str:
@@ -98,11 +89,6 @@ def _samples(page: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             if "_seconds" not in s.name or s.name.endswith("_count")}
 
 
-def _listening(pid: int) -> list[int]:
-    return [c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet")
-            if c.status == psutil.CONN_LISTEN]
-
-
 def test_the_exporter_process_serves_the_page_the_engine_would(engines: list[Engine]) -> None:
     in_engine = Engine("engine")
     engines.append(in_engine)
@@ -114,10 +100,10 @@ def test_the_exporter_process_serves_the_page_the_engine_would(engines: list[Eng
     assert any(v for v in expected.values())
     assert _samples(_page(in_process.port)) == expected
     # The engine process listens on nothing: the exporter process owns the port.
-    assert _listening(in_process.proc.pid) == []
-    assert _listening(in_process.info["child"]) == [in_process.port]
+    assert procs.listening_ports(in_process.proc.pid) == []
+    assert procs.listening_ports(in_process.info["child"]) == [in_process.port]
     in_process.shutdown()
-    assert not psutil.pid_exists(in_process.info["child"])
+    assert not procs.running(in_process.info["child"])
     assert not os.path.exists(in_process.info["dir"])
 
 
@@ -146,38 +132,35 @@ def test_a_killed_exporter_comes_back_with_the_same_totals(engines: list[Engine]
     page = None
     while page is None and time.monotonic() < deadline:
         time.sleep(0.2)
-        children = psutil.Process(engine.proc.pid).children()
-        if any(c.pid != first for c in children):
+        if any(pid != first for pid in procs.children(engine.proc.pid)):
             try:
                 page = _page(engine.port)
             except OSError:
                 continue
     assert page is not None, "the exporter did not come back"
     assert _samples(page) == before
-    (child,) = psutil.Process(engine.proc.pid).children()
-    engine.info["child"] = child.pid
+    (child,) = procs.children(engine.proc.pid)
+    engine.info["child"] = child
     assert engine.proc.stderr is not None
     engine.shutdown()
     assert "exited with -9; starting it again" in engine.proc.stderr.read()
-    assert not psutil.pid_exists(child.pid)
+    assert not procs.running(child)
 
 
 def test_a_killed_engine_takes_its_exporter_and_files_with_it(engines: list[Engine]) -> None:
     engine = Engine("process")
     engines.append(engine)
-    child = psutil.Process(engine.info["child"])
+    child = engine.info["child"]
     os.kill(engine.proc.pid, signal.SIGKILL)  # no hook of the engine runs
     engine.proc.wait(timeout=30)
-    child.wait(timeout=30)
-    assert not psutil.pid_exists(child.pid)
+    assert procs.wait_gone(child, 30)
     assert not os.path.exists(engine.info["dir"])
 
 
 def test_a_connection_flood_reaches_no_thread_of_the_engine(engines: list[Engine]) -> None:
     engine = Engine("process")
     engines.append(engine)
-    process = psutil.Process(engine.proc.pid)
-    threads = {t.id for t in process.threads()}
+    threads = procs.threads(engine.proc.pid)
     linger = struct.pack("ii", 1, 0)  # close with RST
     for _ in range(200):
         with socket.create_connection(("127.0.0.1", engine.port), timeout=10) as s:
@@ -185,9 +168,9 @@ def test_a_connection_flood_reaches_no_thread_of_the_engine(engines: list[Engine
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
     # The engine has no socket to accept them on and no thread came or went for them;
     # the exporter, after the flood, still serves the engine's values.
-    assert _listening(engine.proc.pid) == []
-    assert [c for c in process.net_connections(kind="inet")] == []
-    assert {t.id for t in process.threads()} == threads
+    assert procs.listening_ports(engine.proc.pid) == []
+    assert procs.inet_sockets(engine.proc.pid) == []
+    assert procs.threads(engine.proc.pid) == threads
     assert any(v for v in _samples(_page(engine.port)).values())
 
 
@@ -197,7 +180,7 @@ def test_a_port_in_use_gives_one_error_line_and_no_exporter(engines: list[Engine
         engine = Engine("process", f"127.0.0.1:{port}")
         engines.append(engine)
         assert engine.info["child"] is None
-        assert psutil.Process(engine.proc.pid).children() == []
+        assert procs.children(engine.proc.pid) == []
         engine.shutdown()
     assert engine.proc.stderr is not None
     errors = [line for line in engine.proc.stderr.read().splitlines() if "ERROR" in line]
