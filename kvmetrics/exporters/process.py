@@ -219,7 +219,11 @@ def start_serve_process(where: tuple[str, int], tls: TLSOptions | None) -> Serve
     directory = multiprocess_dir()
     owns = directory is None
     if directory is None:
-        directory = private_multiprocess_dir()
+        try:
+            directory = private_multiprocess_dir()
+        except OSError as e:  # TMPDIR missing, full or not writable
+            raise ServeFailed(f"cannot make a directory for the metric files: "
+                              f"{e.strerror or e}") from None
     tls = tls or TLSOptions()
     child = ServeProcess(ChildSettings(directory, where[0], where[1], tls.certfile,
                                        tls.keyfile, tls.client_cafile, owns_directory=owns))

@@ -29,10 +29,9 @@ KVMETRICS_TLS_CLIENT_CA     tls_client_ca       require client certificates
                                                 signed by this CA (mutual TLS)
 KVMETRICS_METRICS_PORT_FILE -                   write the port bound there (for
                                                 port 0: any free port)
-KVMETRICS_SERVE             serve               ``engine`` (default): the EngineCore
-                                                serves; ``process``: it only
-                                                records and a supervised exporter
-                                                process serves (docs/endpoint.md)
+KVMETRICS_SERVE             serve               ``engine`` (default) or ``process``:
+                                                a supervised exporter process serves
+                                                (:mod:`kvmetrics.exporters.process`)
 ==========================  ==================  ==================================
 
 An unknown key under ``additional_config["kvmetrics"]`` stops the engine at startup
