@@ -169,6 +169,9 @@ class ServeProcess:
                     log.error("kvmetrics: restarting the metrics exporter process failed "
                               "(%s); trying again in %g s", e, delay)
                     continue
+                if self._stopping.is_set():  # stop() came while this one started
+                    self._end_child()
+                    return
                 self.restarts += 1
                 delay = RESTART_DELAY_S
                 log.info("kvmetrics: serving metrics on %s again (exporter process pid %d)",
