@@ -84,11 +84,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     _die_with_parent()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    exiting = False
+
+    def on_sigterm(*_: object) -> None:
+        # Once: a second one (the parent-death signal right after the EOF) must not cut
+        # the clean-up short.
+        nonlocal exiting
+        if not exiting:
+            exiting = True
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     logging.basicConfig(level=logging.INFO, format=f"kvmetrics exporter pid {os.getpid()}: "
                         "%(levelname)s %(message)s")
     lifeline = socket.socket(fileno=args.lifeline_fd)
     if os.getppid() != args.parent_pid:  # the engine died before the signal was asked for
+        if args.owns_dir:
+            shutil.rmtree(args.dir, ignore_errors=True)
         return 0
     registry = CollectorRegistry(auto_describe=False)
     registry.register(TolerantMultiProcessCollector(args.dir, on_bad_file=lambda _path: None))
@@ -108,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(OSError):
             while lifeline.recv(64):  # the engine sends nothing: this returns at EOF
                 pass
+        exiting = True
         engine_gone = True  # stopping us, or dead: either way it writes no more
     finally:
-        # The parent-death SIGTERM follows the EOF closely: it must not cut this short.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        exiting = True
         # A SIGTERM of our own (someone killed the exporter alone) keeps the files: the
         # engine lives, writes on and starts another exporter.
         if args.owns_dir and (engine_gone or _at_eof(lifeline)):
