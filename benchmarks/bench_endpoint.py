@@ -23,7 +23,9 @@
   and with 1,000 connections that each sent a ClientHello and stall; the same for
   plain HTTP with 1,000 silent connections.
 
-``python -m benchmarks.bench_endpoint`` prints the details.
+``python -m benchmarks.bench_endpoint`` prints the details; with ``--serve-process`` it
+runs the scrape flood against an exporter process instead
+(:mod:`benchmarks.endpoint_process`).
 """
 
 from __future__ import annotations
@@ -391,4 +393,9 @@ def run(quick: bool = False) -> list[Row]:
 if __name__ == "__main__":
     from benchmarks.common import render
 
-    print(render(run(quick="--quick" in sys.argv)))
+    if "--serve-process" in sys.argv:  # the flood against serve=process, alone
+        from benchmarks.endpoint_process import run as run_serve_process
+
+        print(render(run_serve_process(quick="--quick" in sys.argv)))
+    else:
+        print(render(run(quick="--quick" in sys.argv)))

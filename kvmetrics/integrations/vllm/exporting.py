@@ -29,6 +29,9 @@ KVMETRICS_TLS_CLIENT_CA     tls_client_ca       require client certificates
                                                 signed by this CA (mutual TLS)
 KVMETRICS_METRICS_PORT_FILE -                   write the port bound there (for
                                                 port 0: any free port)
+KVMETRICS_SERVE             serve               ``engine`` (default) or ``process``:
+                                                a supervised exporter process serves
+                                                (:mod:`kvmetrics.exporters.process`)
 ==========================  ==================  ==================================
 
 An unknown key under ``additional_config["kvmetrics"]`` stops the engine at startup
@@ -67,6 +70,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvmetrics.exporters.process import ServeFailed, ServeProcess, start_serve_process
 from kvmetrics.exporters.prometheus import (
     MetricsServer,
     PrometheusSink,
@@ -91,6 +95,8 @@ log = get_logger(LOGGER)  # shared by the vLLM-side modules: escaped once here
 DEFAULT_METRICS_ADDR = "127.0.0.1:9401"
 _OFF = ("", "off", "none", "0", "false", "no")
 _TRUE = ("1", "true", "yes", "on")
+#: Where ``/metrics`` is served from: the EngineCore itself, or a process of its own.
+SERVE_MODES = ("engine", "process")
 
 
 @dataclass
@@ -112,11 +118,13 @@ class ExportSettings:
     tls: TLSOptions | None = None
     #: Families this vLLM cannot compute (an unusable hook): never on the page.
     absent_families: frozenset[str] = frozenset()
+    #: One of :data:`SERVE_MODES` (as set: :func:`check_setting_keys` refuses others).
+    serve: str = "engine"
 
 
 #: Every key ``additional_config["kvmetrics"]`` may hold.
 SETTING_KEYS = ("metrics_addr", "model_name", "engine", "strict", "otlp_endpoint", "export",
-                "recovery", "tls_cert", "tls_key", "tls_client_ca")
+                "recovery", "tls_cert", "tls_key", "tls_client_ca", "serve")
 
 
 def check_setting_keys(vllm_config: Any) -> None:
@@ -130,6 +138,10 @@ def check_setting_keys(vllm_config: Any) -> None:
         check_metrics_addr(settings.metrics_addr, _addr_setting_name(vllm_config))
     check_label_value("kvmetrics model_name (KVMETRICS_MODEL_NAME)", settings.model_name)
     check_label_value("kvmetrics engine (KVMETRICS_ENGINE)", settings.engine)
+    if settings.serve not in SERVE_MODES:
+        shown = settings.serve[:_SHOWN_CHARS]
+        raise ValueError(f"kvmetrics: serve (KVMETRICS_SERVE) must be one of "
+                         f"{', '.join(SERVE_MODES)}, got {shown!r}")
     if settings.tls is not None:
         if settings.metrics_addr is None or not settings.export:
             raise ValueError("kvmetrics TLS settings given, but no kvmetrics endpoint is "
@@ -209,6 +221,7 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
         "tls_cert": env.get("KVMETRICS_TLS_CERT") or None,
         "tls_key": env.get("KVMETRICS_TLS_KEY") or None,
         "tls_client_ca": env.get("KVMETRICS_TLS_CLIENT_CA") or None,
+        "serve": env.get("KVMETRICS_SERVE") or "engine",
     }
     extra = getattr(vllm_config, "additional_config", None)
     if isinstance(extra, dict) and isinstance(extra.get("kvmetrics"), dict):
@@ -229,6 +242,7 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
         otlp_endpoint=values["otlp_endpoint"] or None,
         export=_flag(values["export"]),
         tls=tls if tls.enabled else None,
+        serve=str(values["serve"]).strip().lower(),
     )
 
 
@@ -240,6 +254,8 @@ class Exporter:
     prometheus: PrometheusSink
     server: MetricsServer | None = None
     otel_provider: Any = None
+    #: ``serve=process``: the supervised exporter process serving this engine's files.
+    serve_process: ServeProcess | None = None
 
     def shutdown(self) -> None:
         try:
@@ -252,6 +268,12 @@ class Exporter:
             except Exception:
                 log.exception("kvmetrics: stopping the metrics endpoint failed")
             self.server = None
+        if self.serve_process is not None:
+            try:
+                self.serve_process.stop()
+            except Exception:
+                log.exception("kvmetrics: stopping the metrics exporter process failed")
+            self.serve_process = None
         if self.otel_provider is not None:
             try:
                 from kvmetrics.exporters.otel import SHUTDOWN_TIMEOUT_S, shutdown_provider
@@ -299,6 +321,11 @@ def build_exporter(settings: ExportSettings) -> Exporter:
     A busy port or an unreachable collector is logged, never raised: the engine
     must come up even if its metrics cannot be exported.
     """
+    where, child = _where(settings), None
+    if where is not None and settings.serve == "process":
+        # Before the sink makes its first metric: its values must go to the files.
+        child = _start_serve_process(where, settings.tls)
+        where = None
     sink = PrometheusSink()
     sinks: list[MetricSink] = [sink, *settings.extra_sinks]
     provider = None
@@ -316,15 +343,41 @@ def build_exporter(settings: ExportSettings) -> Exporter:
                                engine_kind="vllm", recovery=settings.recovery,
                                vllm=settings.vllm,
                                strict=settings.strict, absent=settings.absent_families)
-    exporter = Exporter(pipeline, sink, otel_provider=provider)
-    try:
-        where = endpoint_for(settings)
-    except ValueError as e:  # refused at startup by check_setting_keys; built directly here
-        log.error("kvmetrics: %s; this engine runs on without a kvmetrics endpoint", e)
-        where = None
+    exporter = Exporter(pipeline, sink, otel_provider=provider, serve_process=child)
     if where is not None:
         exporter.server = _bind(sink, where, settings.tls)
     return exporter
+
+
+def _where(settings: ExportSettings) -> tuple[str, int] | None:
+    try:
+        return endpoint_for(settings)
+    except ValueError as e:  # refused at startup by check_setting_keys; built directly here
+        log.error("kvmetrics: %s; this engine runs on without a kvmetrics endpoint", e)
+        return None
+
+
+def _start_serve_process(where: tuple[str, int], tls: TLSOptions | None) -> ServeProcess | None:
+    """The exporter process, announced only once it has bound; None, with one error
+    line, when it cannot serve (the engine then records in memory, as with no endpoint)."""
+    try:
+        child = start_serve_process(where, tls)
+    except ServeFailed as e:
+        _log_bind_error(_shown(*where), str(e))
+        return None
+    log.info("kvmetrics: serving metrics on %s (exporter process pid %s)", child.url, child.pid)
+    _write_port_file(child.settings.port)
+    return child
+
+
+def _shown(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _log_bind_error(shown: str, reason: str) -> None:
+    log.error("kvmetrics: cannot serve metrics on %s: %s; this engine runs on without a "
+              "kvmetrics endpoint (free it, or set KVMETRICS_METRICS_ADDR to one it can "
+              "bind)", shown, reason)
 
 
 def _bind(sink: PrometheusSink, where: tuple[str, int],
@@ -332,16 +385,14 @@ def _bind(sink: PrometheusSink, where: tuple[str, int],
     """The endpoint, announced (log line, port file) only once it is bound; None, with
     one error line naming the address and the reason, when it cannot be bound."""
     host, port = where
-    shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    shown = _shown(host, port)
     try:
         server = serve(sink.serving_registry(), host, port, tls=tls)
     except (OSError, OverflowError) as e:  # in use, not allowed, no such host, port > 65535
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         # socket.create_server repeats the address after the reason: said once is enough.
         reason = reason.split(" (while attempting to bind", 1)[0]
-        log.error("kvmetrics: cannot serve metrics on %s: %s; this engine runs on without a "
-                  "kvmetrics endpoint (free it, or set KVMETRICS_METRICS_ADDR to one it can "
-                  "bind)", shown, reason)
+        _log_bind_error(shown, reason)
         return None
     except Exception:  # a fault of kvmetrics' own: its traceback is the report
         log.exception("kvmetrics: cannot serve metrics on %s; this engine runs on without a "

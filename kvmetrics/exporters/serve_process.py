@@ -1,0 +1,136 @@
+"""The exporter process: serves one engine's multiprocess files as ``/metrics``.
+
+Started by :class:`kvmetrics.exporters.process.ServeProcess` in the engine, never by
+hand. It reads the files with kvmetrics' bounded reader
+(:class:`~kvmetrics.exporters.multiprocess.TolerantMultiProcessCollector`) and serves
+them with kvmetrics' endpoint (its limits and TLS): prometheus-client's own HTTP
+server has neither, and a process of its own does not make an unbounded server safe
+for the scrapers that share it.
+
+It reports one line over the lifeline socket the engine passed it (``bound PORT URL``
+or ``error REASON``) and then waits for EOF there: the engine closes its end to stop
+it, and the kernel closes it when the engine dies in any way. It also asks for
+SIGTERM when its parent dies (Linux). When the engine is gone (EOF on the lifeline)
+and the directory is the engine's private one, it removes the directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+
+from prometheus_client import CollectorRegistry
+
+from kvmetrics.exporters.multiprocess import TolerantMultiProcessCollector
+from kvmetrics.exporters.prometheus import TLSConfigError, TLSOptions, serve
+
+_PR_SET_PDEATHSIG = 1
+#: How long a SIGTERM waits to learn whether the engine is gone too.
+_EOF_WAIT_S = 2.0
+
+
+def _die_with_parent() -> None:
+    """SIGTERM to this process when its parent dies (Linux; elsewhere the lifeline's
+    EOF is the only signal)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def _report(lifeline: socket.socket, line: str) -> None:
+    with contextlib.suppress(OSError):
+        lifeline.sendall((" ".join(line.split()) + "\n").encode("utf-8", "replace"))
+
+
+def _bind_reason(e: BaseException) -> str:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return reason.split(" (while attempting to bind", 1)[0]
+
+
+def _at_eof(lifeline: socket.socket) -> bool:
+    """Whether the engine's end is closed (it may take a moment after the parent-death
+    signal, which comes when the thread that started us ends, before the whole engine
+    has)."""
+    with contextlib.suppress(OSError):
+        readable, _, _ = select.select([lifeline], [], [], _EOF_WAIT_S)
+        return bool(readable) and lifeline.recv(64) == b""
+    return True  # the socket is gone: so is the engine's end
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kvmetrics.exporters.serve_process")
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--lifeline-fd", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--tls-cert")
+    parser.add_argument("--tls-key")
+    parser.add_argument("--tls-client-ca")
+    parser.add_argument("--owns-dir", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    _die_with_parent()
+    exiting = False
+
+    def on_sigterm(*_: object) -> None:
+        # Once: a second one (the parent-death signal right after the EOF) must not cut
+        # the clean-up short.
+        nonlocal exiting
+        if not exiting:
+            exiting = True
+            raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    logging.basicConfig(level=logging.INFO, format=f"kvmetrics exporter pid {os.getpid()}: "
+                        "%(levelname)s %(message)s")
+    lifeline = socket.socket(fileno=args.lifeline_fd)
+    if os.getppid() != args.parent_pid:  # the engine died before the signal was asked for
+        if args.owns_dir:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        return 0
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TolerantMultiProcessCollector(args.dir, on_bad_file=lambda _path: None))
+    tls = TLSOptions(certfile=args.tls_cert, keyfile=args.tls_key,
+                     client_cafile=args.tls_client_ca)
+    try:
+        server = serve(registry, args.host, args.port, tls=tls if tls.enabled else None)
+    except TLSConfigError as e:
+        _report(lifeline, f"error {e}")
+        return 1
+    except (OSError, OverflowError) as e:
+        _report(lifeline, f"error {_bind_reason(e)}")
+        return 1
+    engine_gone = False
+    try:
+        _report(lifeline, f"bound {server.port} {server.url}")
+        with contextlib.suppress(OSError):
+            while lifeline.recv(64):  # the engine sends nothing: this returns at EOF
+                pass
+        exiting = True
+        engine_gone = True  # stopping us, or dead: either way it writes no more
+    finally:
+        exiting = True
+        # A SIGTERM of our own (someone killed the exporter alone) keeps the files: the
+        # engine lives, writes on and starts another exporter.
+        if args.owns_dir and (engine_gone or _at_eof(lifeline)):
+            shutil.rmtree(args.dir, ignore_errors=True)
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
