@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.tls import make_tls_material
 from kvmetrics.integrations.vllm.exporting import check_setting_keys
 from tests.helpers import procs
-from tests.helpers.tls import make_tls_material
 
 REPO = Path(__file__).resolve().parent.parent
 SEED = "7"

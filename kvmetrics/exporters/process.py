@@ -174,8 +174,8 @@ class ServeProcess:
                     return
                 self.restarts += 1
                 delay = RESTART_DELAY_S
-                log.info("kvmetrics: serving metrics on %s again (exporter process pid %d)",
-                         url, self.pid)
+                log.info("kvmetrics: serving metrics on %s again (exporter process pid %d, "
+                         "restart %d)", url, self.pid, self.restarts)
                 break
 
     @property
