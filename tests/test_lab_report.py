@@ -150,7 +150,7 @@ def test_injected_failures_and_switches_are_shown_as_configured(
 def _failed_share_tile(page: str) -> re.Match[str] | None:
     """The tile of failed loads: (whole tile, its class, the share, "failed of loaded")."""
     return re.search(r'<div class="tile ([^"]*)"><div class="v">([^<]*)</div><div class="l">'
-                     r"of loaded KV blocks failed \(([\d,]+ of [\d,]+)\), measured<br>"
+                     r"of loaded KV blocks failed in this run \(([\d,]+ of [\d,]+)\)<br>"
                      r".*?</div></div>", page)
 
 
@@ -172,14 +172,15 @@ def test_the_verdict_and_every_headline_figure_are_labelled(
     rolled, again = doc["rolled_back_tokens"], doc["recomputed_tokens"]["kv_load_failure"]
     assert again > rolled  # this run shows the case the label explains
     tile = re.search(r'<div class="v"><span class="nw">([\d,]+) <small>rolled back</small>'
-                     r'</span> <span class="nw">/ ([\d,]+) <small>recomputed</small></span>'
+                     r'</span> <span class="nw">([\d,]+) <small>recomputed</small></span>'
                      r'</div><div class="l">(.*?)</div>', text)
     assert tile and (tile[1], tile[2]) == (f"{rolled:,}", f"{again:,}"), tile
-    assert tile[3] == ("tokens after failed loads: taken back by the recovery path / computed "
-                       "again<br>recomputed also counts each failed step&#x27;s own discarded "
-                       "tokens, and counts again after a preemption")
+    assert tile[3] == ("tokens after failed loads: rolled back, taken back by the recovery "
+                       "path; recomputed, computed again<br>recomputed also counts each "
+                       "failed step&#x27;s own discarded tokens, and counts again after a "
+                       "preemption")
     # The summary table marks the figure and says the same under it.
-    assert f"<td>{again} after failed loads*, " in text
+    assert f"<td>{again:,} after failed loads*, " in text
     assert (f'<p class="note">* {again:,} tokens recomputed after failed loads, more than the '
             f"{rolled:,} rolled back: ") in text
 
