@@ -138,6 +138,12 @@ def test_injected_failures_and_switches_are_shown_as_configured(
             "the measured share varies around it") in tile[0]
     # A switch shows whether it was given, not the setting behind it.
     assert "<th>--no-reserve-full-prompt</th><td>given</td>" in text
+    # Settings outside the replay line are shown as the options that set them.
+    assert "<h3>watching the run (not replayed)</h3>" in text
+    assert "<th>--strict</th><td>not given</td>" in text
+    options = set(re.findall(r"--[a-z-]+", run_cli("run", "--help").stdout))
+    shown = set(re.findall(r"<th>([^<]*)</th><td>", text.split('<div class="config">')[1]))
+    assert shown <= options, shown - options
     assert "<th>--async-scheduling</th><td>not given</td>" in text
     doc["config"]["reserve_full_prompt"] = True
     doc["config"]["fault_rate"] = 0.0

@@ -348,6 +348,15 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _watching_option(field: str, value: Any) -> tuple[str, Any]:
+    """A setting outside the replay line as its ``kvmetrics run`` option shows it (a
+    switch: given or not), so that the whole table reads as the command line."""
+    flag = "--" + field.replace("_", "-")
+    if isinstance(value, bool):
+        return flag, "given" if value else "not given"
+    return flag, value
+
+
 def _config(config: dict[str, Any]) -> Markup:
     from kvmetrics.lab.config import LabConfig
     from kvmetrics.lab.replay import RUN_OPTIONS, run_arguments
@@ -358,9 +367,9 @@ def _config(config: dict[str, Any]) -> Markup:
         if config.get(option.field) is not None:  # unset (no trace, no plan): not shown
             groups.setdefault(option.group, []).append(
                 (option.flag, option.shown(config[option.field])))
-    other = sorted((k, v) for k, v in config.items() if k not in known)
+    other = sorted(_watching_option(k, v) for k, v in config.items() if k not in known)
     if other:
-        groups["other"] = other
+        groups["watching the run (not replayed)"] = other
     parts = join(html("<div><h3>{}</h3>{}</div>", name, _table(rows))
                  for name, rows in groups.items())
     fields = {k: v for k, v in config.items() if k in LabConfig.__dataclass_fields__}
