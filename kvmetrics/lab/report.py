@@ -26,7 +26,7 @@ from kvmetrics.lab.doc_sections import DOCS_DIR, DocAppendix, render_appendix
 from kvmetrics.lab.markup import Markup, html, join
 from kvmetrics.lab.report_headline import cards, command_markup, tiles, verdict_banner, with_options
 from kvmetrics.lab.run_schema import RunDocumentError, check_run_document
-from kvmetrics.lab.summary import footnotes, summary_rows
+from kvmetrics.lab.summary import EVICTION_CAUSES, footnotes, summary_rows
 
 #: Series colours; the browser test looks for them in the rendered page.
 COLOURS = {
@@ -186,9 +186,9 @@ def _charts(tl: _Timeline) -> list[Chart]:
         for key, series, label in (
                 ("rolled_back", "rolled_back_tokens", "rolled back"),
                 ("recomputed_kv_load_failure", "recomputed_tokens_kv_load_failure",
-                 "recomputed: kv_load_failure"),
+                 "recomputed after failed loads"),
                 ("recomputed_preemption", "recomputed_tokens_preemption",
-                 "recomputed: preemption")):
+                 "recomputed after preemption")):
             if t.moved(series):
                 line(ax, key, t.c(series), label)
         ax.set_ylabel(f"tokens {t.per}")
@@ -196,7 +196,7 @@ def _charts(tl: _Timeline) -> list[Chart]:
     def evictions(ax: Any, t: _Timeline) -> None:
         for cause in ("capacity", "kv_load_failure", "reset"):
             if t.moved(f"evicted_blocks_{cause}"):
-                line(ax, cause, t.c(f"evicted_blocks_{cause}"), cause)
+                line(ax, cause, t.c(f"evicted_blocks_{cause}"), EVICTION_CAUSES[cause])
         ax.set_ylabel(f"blocks {t.per}")
 
     def preemptions(ax: Any, t: _Timeline) -> None:
