@@ -85,7 +85,7 @@ def test_every_summary_figure_reads_without_the_docs() -> None:
     rows = dict(summary_rows(document))
     assert rows["local prefix hits"] == (
         "55,216/128,787 tokens on first admission (42.9%), 768/1,032 on re-admission (after "
-        "a preemption or a failed load)")
+        "a preemption or a failed async load)")
     assert rows["evicted blocks"] == (
         "4,347 to make room, 2 after failed loads, 0 by a prefix-cache reset")
     assert rows["KV load blocks"].startswith("1,642 ok, 9 failed (0.5% of loaded blocks")

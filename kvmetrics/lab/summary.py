@@ -85,7 +85,7 @@ def _hits(source: dict[str, Any]) -> str:
     re-admissions shows 0 hits on first admission next to its loaded blocks."""
     repeat = source["repeat"]
     again = (f", {repeat['hit_tokens']:,}/{repeat['query_tokens']:,} on re-admission "
-             "(after a preemption or a failed load)" if repeat["query_tokens"] else "")
+             "(after a preemption or a failed async load)" if repeat["query_tokens"] else "")
     return (f"{source['hit_tokens']:,}/{source['query_tokens']:,} tokens on first admission "
             f"({source['hit_ratio']:.1%}){again}")
 
