@@ -172,7 +172,7 @@ def test_lab_summary_explains_the_stale_reads() -> None:
     # ... and the figure that looks wrong (more recomputed than rolled back) says why.
     rolled, again = summary["rolled_back_tokens"], summary["recomputed_tokens"]["kv_load_failure"]
     assert again > rolled
-    assert re.search(rf"^recomputed tokens +{again} after failed loads\*, ", text.stdout, re.M)
+    assert re.search(rf"^recomputed tokens +{again:,} after failed loads\*, ", text.stdout, re.M)
     assert (f"\n* {again:,} tokens recomputed after failed loads, more than the {rolled:,} "
             "rolled back: a failed step's own tokens are discarded and computed again without "
             "a rollback, and a request preempted before it caught up computes them once more\n"

@@ -303,3 +303,12 @@ def test_demo_model_writes_through_the_safe_writer(tmp_path: Path) -> None:
     assert victim.read_text() == "precious\n"
     assert json.loads((folder / "config.json").read_text())
     assert (folder / "model.safetensors").stat().st_size > 1000
+
+
+def test_demo_model_names_a_dangling_link(tmp_path: Path) -> None:
+    """A model folder that is a link to nothing gets the link's target named, not the
+    bare "File exists" that mkdir answers."""
+    folder = tmp_path / "tiny"
+    folder.symlink_to(tmp_path / "gone")
+    _one_line_error(run_cli("demo-model", str(folder)), "is a link to", "gone",
+                    "does not exist")

@@ -138,6 +138,12 @@ def test_injected_failures_and_switches_are_shown_as_configured(
             "the measured share varies around it") in tile[0]
     # A switch shows whether it was given, not the setting behind it.
     assert "<th>--no-reserve-full-prompt</th><td>given</td>" in text
+    # Settings outside the replay line are shown as the options that set them.
+    assert "<h3>watching the run (not replayed)</h3>" in text
+    assert "<th>--strict</th><td>not given</td>" in text
+    options = set(re.findall(r"--[a-z-]+", run_cli("run", "--help").stdout))
+    shown = set(re.findall(r"<th>([^<]*)</th><td>", text.split('<div class="config">')[1]))
+    assert shown <= options, shown - options
     assert "<th>--async-scheduling</th><td>not given</td>" in text
     doc["config"]["reserve_full_prompt"] = True
     doc["config"]["fault_rate"] = 0.0
@@ -150,7 +156,7 @@ def test_injected_failures_and_switches_are_shown_as_configured(
 def _failed_share_tile(page: str) -> re.Match[str] | None:
     """The tile of failed loads: (whole tile, its class, the share, "failed of loaded")."""
     return re.search(r'<div class="tile ([^"]*)"><div class="v">([^<]*)</div><div class="l">'
-                     r"of loaded KV blocks failed \(([\d,]+ of [\d,]+)\), measured<br>"
+                     r"of loaded KV blocks failed in this run \(([\d,]+ of [\d,]+)\)<br>"
                      r".*?</div></div>", page)
 
 
@@ -172,14 +178,15 @@ def test_the_verdict_and_every_headline_figure_are_labelled(
     rolled, again = doc["rolled_back_tokens"], doc["recomputed_tokens"]["kv_load_failure"]
     assert again > rolled  # this run shows the case the label explains
     tile = re.search(r'<div class="v"><span class="nw">([\d,]+) <small>rolled back</small>'
-                     r'</span> <span class="nw">/ ([\d,]+) <small>recomputed</small></span>'
+                     r'</span> <span class="nw">([\d,]+) <small>recomputed</small></span>'
                      r'</div><div class="l">(.*?)</div>', text)
     assert tile and (tile[1], tile[2]) == (f"{rolled:,}", f"{again:,}"), tile
-    assert tile[3] == ("tokens after failed loads: taken back by the recovery path / computed "
-                       "again<br>recomputed also counts each failed step&#x27;s own discarded "
-                       "tokens, and counts again after a preemption")
+    assert tile[3] == ("tokens after failed loads: rolled back, taken back by the recovery "
+                       "path; recomputed, computed again<br>recomputed also counts each "
+                       "failed step&#x27;s own discarded tokens, and counts again after a "
+                       "preemption")
     # The summary table marks the figure and says the same under it.
-    assert f"<td>{again} after failed loads*, " in text
+    assert f"<td>{again:,} after failed loads*, " in text
     assert (f'<p class="note">* {again:,} tokens recomputed after failed loads, more than the '
             f"{rolled:,} rolled back: ") in text
 

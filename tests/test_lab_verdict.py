@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvmetrics.lab.config import LabConfig
 from kvmetrics.lab.runner import run_lab
-from kvmetrics.lab.summary import render_table
+from kvmetrics.lab.summary import render_table, summary_rows
 from tests.lab_support import run_cli
 from tests.test_lab_runs import HISTORICAL
 
@@ -66,6 +66,31 @@ def test_a_fault_plan_is_named_instead_of_the_rate_it_replaces(tmp_path: Path) -
     assert _row(result.stdout, "faults injected") == (
         f"as --fault-plan {plan} lists them (its own rate and failures; --fault-rate does "
         "not apply)")
-    loads = re.fullmatch(r"(\d+) ok, (\d+) failed \([\d.]+% of loaded blocks; injected: the "
-                         r"fault plan's\); \d+ requests hit", _row(result.stdout, "KV load blocks"))
-    assert loads and int(loads[2]) > 0, result.stdout
+    loads = re.fullmatch(r"([\d,]+) ok, ([\d,]+) failed \([\d.]+% of loaded blocks; injected: "
+                         r"the fault plan's\); [\d,]+ requests hit by a failed load",
+                         _row(result.stdout, "KV load blocks"))
+    assert loads and int(loads[2].replace(",", "")) > 0, result.stdout
+
+
+def test_every_summary_figure_reads_without_the_docs() -> None:
+    """Counts grouped in thousands, ratios as percentages, label values in words: a
+    newcomer reads each row without metrics.md at hand."""
+    document = run_lab(LabConfig(max_requests=20, progress=False, verify="off")).document()
+    local = document["prefix_cache"]["local"]
+    local.update(hit_tokens=55216, query_tokens=128787, hit_ratio=55216 / 128787)
+    local["repeat"].update(hit_tokens=768, query_tokens=1032)
+    document["evicted_blocks"] = {"capacity": 4347, "kv_load_failure": 2, "reset": 0}
+    document["kv_load"].update(blocks_ok=1642, blocks_failed=9, failed_requests=9)
+    document["rolled_back_tokens"] = 1960
+    rows = dict(summary_rows(document))
+    assert rows["local prefix hits"] == (
+        "55,216/128,787 tokens on first admission (42.9%), 768/1,032 on re-admission (after "
+        "a preemption or a failed async load)")
+    assert rows["evicted blocks"] == (
+        "4,347 to make room, 2 after failed loads, 0 by a prefix-cache reset")
+    assert rows["KV load blocks"].startswith("1,642 ok, 9 failed (0.5% of loaded blocks")
+    assert rows["KV load blocks"].endswith("; 9 requests hit by a failed load")
+    assert rows["rolled back tokens"].startswith("1,960 ")
+    # No count of four digits or more without its thousands separator, anywhere.
+    bare = [v for v in rows.values() if re.search(r"(?<![\d.,])\d{4,}(?![\d])", v)]
+    assert not bare, bare

@@ -100,8 +100,9 @@ def test_default_run(newcomer: dict[str, object]) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "KV load blocks" in result.stdout and "verified tokens" in result.stdout, \
         result.stdout[-3000:]
-    failed = re.search(r"KV load blocks\W+\d+ ok, (\d+) failed", result.stdout)
-    assert failed and int(failed[1]) > 0, result.stdout[-3000:]  # "faults": some loads fail
+    failed = re.search(r"KV load blocks\W+[\d,]+ ok, ([\d,]+) failed", result.stdout)
+    # "faults": some loads fail
+    assert failed and int(failed[1].replace(",", "")) > 0, result.stdout[-3000:]
     # It says what it injected and ran, and ends with its verdict.
     assert re.search(r"^faults injected +each loaded KV block fails with probability 2\.0% "
                      r"\(--fault-rate 0\.02\)$", result.stdout, flags=re.M), result.stdout
@@ -145,9 +146,9 @@ def test_the_shipped_trace_replays(newcomer: dict[str, object]) -> None:
     result = _run(newcomer, _command("kvmetrics run --trace"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     # Every one of the trace's requests was submitted, and prefixes were shared.
-    assert re.search(r"requests\W+12031 submitted", result.stdout), result.stdout[-3000:]
-    hits = re.search(r"local prefix hits\W+(\d+)/(\d+) tokens", result.stdout)
-    assert hits and int(hits[1]) > 0, result.stdout[-3000:]
+    assert re.search(r"requests\W+12,031 submitted", result.stdout), result.stdout[-3000:]
+    hits = re.search(r"local prefix hits\W+([\d,]+)/([\d,]+) tokens", result.stdout)
+    assert hits and int(hits[1].replace(",", "")) > 0, result.stdout[-3000:]
 
 
 @pytest.fixture(scope="module")

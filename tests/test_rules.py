@@ -307,6 +307,32 @@ def test_runbook_names_the_dashboards_rows() -> None:
     assert re.findall(r'"([^"]+)"', listed.group(1)) == [title for title, _ in ROWS]
 
 
+def test_dashboards_doc_describes_every_row() -> None:
+    """docs/dashboards.md's layout paragraph names each of the dashboard's rows."""
+    text = (ROOT / "docs" / "dashboards.md").read_text(encoding="utf-8")
+    layout = " ".join(text.split("**Layout.**")[1].split("**Query rules.**")[0].split()).lower()
+    missing = [title for title, _ in ROWS if title.lower() not in layout]
+    assert not missing, missing
+
+
+def test_runbook_log_grep_finds_vllms_load_failure_lines() -> None:
+    """The runbook's grep for a replica's failed loads names lines the installed vLLM's
+    scheduler logs (under policy recompute and fail): a grep that finds nothing at 3 a.m.
+    reads as "no failure"."""
+    import importlib.util
+
+    section = RUNBOOK.read_text(encoding="utf-8").split(
+        "\n## KVMetricsKVLoadFailureRatioHigh\n")[1].split("\n## ")[0]
+    pattern = re.search(r"`grep -E '([^']+)'`", section.replace("\n", " "))
+    assert pattern, "the KV-load-failure section no longer says what to grep"
+    spec = importlib.util.find_spec("vllm")
+    assert spec and spec.submodule_search_locations, "vLLM is not installed in this venv"
+    scheduler = Path(spec.submodule_search_locations[0], "v1", "core", "sched", "scheduler.py")
+    source = scheduler.read_text(encoding="utf-8")
+    alternatives = pattern[1].split("|")
+    assert len(alternatives) == 2 and all(a in source for a in alternatives), alternatives
+
+
 @pytest.mark.parametrize("query", _runbook_queries())
 def test_runbook_queries_name_only_catalogue_series(query: str) -> None:
     assert problems(query, RECORD_NAMES | set(TARGET_SERIES)) == []

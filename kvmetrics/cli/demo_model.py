@@ -19,6 +19,10 @@ def _run(args: argparse.Namespace) -> int:
     from kvmetrics.metrics.files import FileRefused
 
     folder = Path(args.folder)
+    if folder.is_symlink() and not folder.exists():
+        # mkdir on a dangling link fails with "File exists", which names no cause.
+        return fail(f"{folder} is a link to {folder.readlink()}, which does not exist: "
+                    "create that folder or remove the link")
     if folder.exists() and not folder.is_dir():
         return fail(f"{folder} is not a directory")
     if not folder.parent.is_dir():

@@ -26,7 +26,7 @@ from kvmetrics.lab.doc_sections import DOCS_DIR, DocAppendix, render_appendix
 from kvmetrics.lab.markup import Markup, html, join
 from kvmetrics.lab.report_headline import cards, command_markup, tiles, verdict_banner, with_options
 from kvmetrics.lab.run_schema import RunDocumentError, check_run_document
-from kvmetrics.lab.summary import footnotes, summary_rows
+from kvmetrics.lab.summary import EVICTION_CAUSES, footnotes, summary_rows
 
 #: Series colours; the browser test looks for them in the rendered page.
 COLOURS = {
@@ -186,9 +186,9 @@ def _charts(tl: _Timeline) -> list[Chart]:
         for key, series, label in (
                 ("rolled_back", "rolled_back_tokens", "rolled back"),
                 ("recomputed_kv_load_failure", "recomputed_tokens_kv_load_failure",
-                 "recomputed: kv_load_failure"),
+                 "recomputed after failed loads"),
                 ("recomputed_preemption", "recomputed_tokens_preemption",
-                 "recomputed: preemption")):
+                 "recomputed after preemption")):
             if t.moved(series):
                 line(ax, key, t.c(series), label)
         ax.set_ylabel(f"tokens {t.per}")
@@ -196,7 +196,7 @@ def _charts(tl: _Timeline) -> list[Chart]:
     def evictions(ax: Any, t: _Timeline) -> None:
         for cause in ("capacity", "kv_load_failure", "reset"):
             if t.moved(f"evicted_blocks_{cause}"):
-                line(ax, cause, t.c(f"evicted_blocks_{cause}"), cause)
+                line(ax, cause, t.c(f"evicted_blocks_{cause}"), EVICTION_CAUSES[cause])
         ax.set_ylabel(f"blocks {t.per}")
 
     def preemptions(ax: Any, t: _Timeline) -> None:
@@ -348,6 +348,15 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _watching_option(field: str, value: Any) -> tuple[str, Any]:
+    """A setting outside the replay line as its ``kvmetrics run`` option shows it (a
+    switch: given or not), so that the whole table reads as the command line."""
+    flag = "--" + field.replace("_", "-")
+    if isinstance(value, bool):
+        return flag, "given" if value else "not given"
+    return flag, value
+
+
 def _config(config: dict[str, Any]) -> Markup:
     from kvmetrics.lab.config import LabConfig
     from kvmetrics.lab.replay import RUN_OPTIONS, run_arguments
@@ -358,9 +367,9 @@ def _config(config: dict[str, Any]) -> Markup:
         if config.get(option.field) is not None:  # unset (no trace, no plan): not shown
             groups.setdefault(option.group, []).append(
                 (option.flag, option.shown(config[option.field])))
-    other = sorted((k, v) for k, v in config.items() if k not in known)
+    other = sorted(_watching_option(k, v) for k, v in config.items() if k not in known)
     if other:
-        groups["other"] = other
+        groups["watching the run (not replayed)"] = other
     parts = join(html("<div><h3>{}</h3>{}</div>", name, _table(rows))
                  for name, rows in groups.items())
     fields = {k: v for k, v in config.items() if k in LabConfig.__dataclass_fields__}

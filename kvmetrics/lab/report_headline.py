@@ -84,7 +84,7 @@ def _failed_share_tile(doc: dict[str, Any]) -> tuple[Markup, Markup, str]:
     share = k["blocks_failed"] / loaded if loaded else 0.0
     config = doc.get("config") or {}
     injected = bool(config.get("fault_plan")) or bool(config.get("fault_rate"))
-    measured = html("of loaded KV blocks failed ({failed:,} of {loaded:,}), measured",
+    measured = html("of loaded KV blocks failed in this run ({failed:,} of {loaded:,})",
                     failed=k["blocks_failed"], loaded=loaded)
     if config.get("fault_plan"):
         plan = html("injected: as the fault plan lists them ({})",
@@ -103,10 +103,11 @@ def _failed_share_tile(doc: dict[str, Any]) -> tuple[Markup, Markup, str]:
 
 def _tokens_tile(doc: dict[str, Any]) -> tuple[Markup, Markup, str]:
     rolled, again = doc["rolled_back_tokens"], doc["recomputed_tokens"]["kv_load_failure"]
+    # Two counts side by side, no slash between: "960 / 1,445" reads as a fraction.
     value = html('<span class="nw">{:,} <small>rolled back</small></span> '
-                 '<span class="nw">/ {:,} <small>recomputed</small></span>', rolled, again)
-    label = Markup("tokens after failed loads: taken back by the recovery path / computed "
-                   "again")
+                 '<span class="nw">{:,} <small>recomputed</small></span>', rolled, again)
+    label = Markup("tokens after failed loads: rolled back, taken back by the recovery "
+                   "path; recomputed, computed again")
     if recompute_note(doc):
         label = html("{}<br>{}", label, "recomputed also counts each failed step's own "
                      "discarded tokens, and counts again after a preemption")

@@ -74,15 +74,20 @@ def build_summary(totals: Totals, *, engine: str, submitted: int, wall_seconds: 
     }
 
 
+#: What each eviction cause (the ``cause`` label) means, for the summary's row.
+EVICTION_CAUSES = {"capacity": "to make room", "kv_load_failure": "after failed loads",
+                   "reset": "by a prefix-cache reset"}
+
+
 def _hits(source: dict[str, Any]) -> str:
     """A source's prefix-cache hits, first admissions (the ratio the dashboards show) and
     re-admissions apart: loads happen on both, so a run whose loads all came from
     re-admissions shows 0 hits on first admission next to its loaded blocks."""
     repeat = source["repeat"]
-    again = (f", {repeat['hit_tokens']}/{repeat['query_tokens']} on re-admission"
-             if repeat["query_tokens"] else "")
-    return (f"{source['hit_tokens']}/{source['query_tokens']} tokens on first admission "
-            f"({source['hit_ratio']:.4f}){again}")
+    again = (f", {repeat['hit_tokens']:,}/{repeat['query_tokens']:,} on re-admission "
+             "(after a preemption or a failed async load)" if repeat["query_tokens"] else "")
+    return (f"{source['hit_tokens']:,}/{source['query_tokens']:,} tokens on first admission "
+            f"({source['hit_ratio']:.1%}){again}")
 
 
 def _loads(summary: dict[str, Any], config: dict[str, Any] | None) -> str:
@@ -90,8 +95,8 @@ def _loads(summary: dict[str, Any], config: dict[str, Any] | None) -> str:
     loaded = k["blocks_ok"] + k["blocks_failed"]
     share = f"{k['blocks_failed'] / loaded:.1%} of loaded blocks" if loaded else "none loaded"
     injected = f"; {injected_rate(config)}" if config is not None else ""
-    return (f"{k['blocks_ok']} ok, {k['blocks_failed']} failed ({share}{injected}); "
-            f"{k['failed_requests']} requests hit")
+    return (f"{k['blocks_ok']:,} ok, {k['blocks_failed']:,} failed ({share}{injected}); "
+            f"{k['failed_requests']:,} requests hit by a failed load")
 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -107,21 +112,22 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                  ("failure policy", policy_text(config)),
                  ("recovery path", recovery_text(config))]
     rows += [
-        ("requests", f"{r['submitted']} submitted, {r['finished']} finished, "
-                     f"{r['failed']} failed, {r['aborted']} aborted"),
+        ("requests", f"{r['submitted']:,} submitted, {r['finished']:,} finished, "
+                     f"{r['failed']:,} failed, {r['aborted']:,} aborted"),
         ("local prefix hits", _hits(p["local"])),
         ("external hits", _hits(p["external"])),
         ("KV load blocks", _loads(summary, config)),
-        ("rolled back tokens", f"{summary['rolled_back_tokens']} computed tokens taken "
+        ("rolled back tokens", f"{summary['rolled_back_tokens']:,} computed tokens taken "
                                "back after failed loads"),
-        ("recomputed tokens", f"{recomputed['kv_load_failure']} after failed loads"
+        ("recomputed tokens", f"{recomputed['kv_load_failure']:,} after failed loads"
                               f"{'*' if recompute_note(summary) else ''}, "
-                              f"{recomputed['preemption']} after preemption"),
-        ("evicted blocks", ", ".join(f"{v} {c}" for c, v in summary["evicted_blocks"].items())),
-        ("preemptions", str(summary["preemptions"])),
+                              f"{recomputed['preemption']:,} after preemption"),
+        ("evicted blocks", ", ".join(f"{v:,} {EVICTION_CAUSES.get(c, c)}"
+                                     for c, v in summary["evicted_blocks"].items())),
+        ("preemptions", f"{summary['preemptions']:,}"),
         ("guard rejected increments", str(summary["guard_rejected_increments"])),
         ("invariant violations", str(summary["invariant_violations"])),
-        ("verified tokens", f"{summary['verification']['verified_tokens']} "
+        ("verified tokens", f"{summary['verification']['verified_tokens']:,} "
                             f"({summary['verification']['failed_blocks']} stale block reads)"),
         ("steps / wall time", f"{summary['steps']} / {summary['wall_seconds']:.2f} s"),
     ]
