@@ -177,8 +177,8 @@ class MetricsPipeline:
         has not admitted, or a sink without ``bind_counter``, keeps the plain path)."""
         bound = []
         for sink in self.sinks:
-            bind = getattr(sink, "bind_counter", None)
-            try:
+            try:  # (even looking the method up may raise, in a broken sink)
+                bind = getattr(sink, "bind_counter", None)
                 add = bind(spec, full) if bind is not None else None
             except Exception:
                 self._sink_failed(sink, "bind_counter")
