@@ -23,6 +23,8 @@ from kvmetrics.integrations.vllm import hooks
 from kvmetrics.integrations.vllm.exporting import LOGGER
 from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
+from kvmetrics.metrics.events import StepEvents
+from kvmetrics.metrics.pipeline import MetricsPipeline
 
 PROMPT = list(range(1000, 1064))
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,
@@ -292,6 +294,7 @@ def test_kvmetrics_own_cpu_time_is_exported(monkeypatch: pytest.MonkeyPatch) -> 
     from kvmetrics.integrations.vllm import step_end
 
     monkeypatch.setattr(step_end, "GAUGE_MIN_INTERVAL_S", 0)  # reported every 32 steps
+    monkeypatch.setattr(step_end, "CPU_REPORT_MIN_INTERVAL_S", 0)
     start = time.thread_time()
     engine = run_failing_load()
     whole_run = time.thread_time() - start
@@ -305,6 +308,32 @@ def test_kvmetrics_own_cpu_time_is_exported(monkeypatch: pytest.MonkeyPatch) -> 
     assert exported == pytest.approx(sched.kvmetrics_cpu_ns / 1e9)
     # (The exported total is a float sum of scaled samples: equal up to rounding.)
     assert sched.kvmetrics_cpu_seconds >= exported * (1 - 1e-9)
+
+
+def test_the_cpu_estimate_waits_for_its_next_report_and_loses_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmetrics.integrations.vllm import step_end
+
+    monkeypatch.setattr(step_end, "GAUGE_MIN_INTERVAL_S", 0)  # a read every 32 steps
+    monkeypatch.setattr(step_end, "CPU_REPORT_MIN_INTERVAL_S", 3600)  # the first only
+    reports = []
+    record = MetricsPipeline.record
+
+    def counting(self: MetricsPipeline, events: StepEvents) -> None:
+        reports.extend(events.step for inc in events.increments if inc.spec is CPU)
+        record(self, events)
+
+    monkeypatch.setattr(MetricsPipeline, "record", counting)
+    engine = run_failing_load()
+    engine.add_request(Request("long", ExplicitTokens(PROMPT[:20]), 200))  # periodic reads
+    engine.run()
+    sched = engine.scheduler
+    assert len(reports) == 1 and sched._kv.step > 4 * step_end.GAUGE_EVERY
+    exported = totals(engine)[(CPU.name, ())]
+    engine.close()
+    assert exported == pytest.approx(sched.kvmetrics_cpu_ns / 1e9) and exported > 0
+    # What came after the one report waits for the next one, uncounted, not lost.
+    assert sched.kvmetrics_cpu_seconds > exported * (1 + 1e-9)
 
 
 def test_the_cpu_estimate_charges_the_quiet_step_sampled_in_place(

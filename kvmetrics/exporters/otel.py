@@ -20,7 +20,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import MeterProvider
@@ -74,6 +75,13 @@ class OTelSink:
 
     def inc(self, spec: MetricSpec, label_values: tuple[str, ...], amount: float) -> None:
         self._instruments[spec.name].add(amount, self._attrs(spec, label_values))
+
+    def bind_counter(self, spec: MetricSpec,
+                     label_values: tuple[str, ...]) -> Callable[[float], None]:
+        """The counter's ``add`` with this series' attributes built once (the SDK only
+        reads them)."""
+        add: Callable[..., None] = self._instruments[spec.name].add  # type: ignore[attr-defined]
+        return partial(add, attributes=self._attrs(spec, label_values))
 
     def set(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:
         self._instruments[spec.name].set(value, self._attrs(spec, label_values))

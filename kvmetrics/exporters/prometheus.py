@@ -12,7 +12,7 @@ import atexit
 import os
 import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import (
@@ -195,6 +195,12 @@ class PrometheusSink:
         child = self._child(spec, label_values, count=amount != 0)
         if child is not None:
             child.inc(amount)
+
+    def bind_counter(self, spec: MetricSpec,
+                     label_values: tuple[str, ...]) -> Callable[[float], None] | None:
+        """The series' own ``inc`` once it exists (its label lookup done once)."""
+        child = self._children.get((spec.name, label_values))
+        return None if child is None else child.inc  # type: ignore[attr-defined]
 
     def set(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:
         child = self._child(spec, label_values)

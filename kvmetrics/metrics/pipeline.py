@@ -8,7 +8,7 @@ strict mode, which is what strict mode is for.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from kvmetrics import __version__
 from kvmetrics.metrics import catalogue as cat
@@ -58,12 +58,19 @@ class MetricsPipeline:
         self.violations: list[Violation] = []
         self._invariants = InvariantChecker() if check_invariants else None
         self._failed_sinks: set[tuple[int, type]] = set()
+        #: Per counter series (family name, own label values): each sink's bound adder
+        #: (``bind_counter``), so that an increment skips the sinks' label lookups. A
+        #: series is here only once every sink bound it; entries of families that leave
+        #: the page go with them, and a sink added late empties it.
+        self._bound: dict[tuple[str, tuple[str, ...]],
+                          tuple[tuple[MetricSink, Callable[[float], None]], ...]] = {}
         self._last_gauges: GaugeReadings | None = None
         self._announce()
 
     def add_sink(self, sink: MetricSink) -> None:
         """Attach an exporter late; it sees the build info and the totals so far."""
         self.sinks.append(sink)
+        self._bound.clear()
         self._announce_to(sink)
         for (name, values), amount in self.totals.series().items():
             self._safely(sink, "inc", cat.spec(name), self.common + values, amount)
@@ -130,6 +137,8 @@ class MetricsPipeline:
             return
         self.absent = self.absent | gone
         self.totals.drop(gone)
+        for key in [k for k in self._bound if k[0] in gone]:
+            del self._bound[key]
         expected = set(cat.expected_families(self.engine_kind))
         for sink in self.sinks:
             if hasattr(sink, "drop_families"):
@@ -148,10 +157,36 @@ class MetricsPipeline:
                              f"total would overflow adding {amount:g}", request_id)
         if self._invariants is not None:
             self._invariants.observe(spec, values, amount, total)
-        full = self.common + values
-        for sink in self.sinks:
-            self._safely(sink, "inc", spec, full, amount)
+        bound = self._bound.get((spec.name, values))
+        if bound is None:
+            full = self.common + values
+            for sink in self.sinks:
+                self._safely(sink, "inc", spec, full, amount)
+            self._bind(spec, values, full)
+            return None
+        for sink, add in bound:
+            try:
+                add(amount)
+            except Exception:  # an exporter bug must never stop the engine
+                self._sink_failed(sink, "inc")
         return None
+
+    def _bind(self, spec: cat.MetricSpec, values: tuple[str, ...],
+              full: tuple[str, ...]) -> None:
+        """Keep every sink's adder of this series, if each has one (a series a sink
+        has not admitted, or a sink without ``bind_counter``, keeps the plain path)."""
+        bound = []
+        for sink in self.sinks:
+            try:  # (even looking the method up may raise, in a broken sink)
+                bind = getattr(sink, "bind_counter", None)
+                add = bind(spec, full) if bind is not None else None
+            except Exception:
+                self._sink_failed(sink, "bind_counter")
+                add = None
+            if add is None:
+                return
+            bound.append((sink, add))
+        self._bound[(spec.name, values)] = tuple(bound)
 
     def _set_each(self, sink: MetricSink, g: GaugeReadings) -> None:
         """Gauges one by one, for a sink without ``set_gauges``."""
@@ -173,8 +208,12 @@ class MetricsPipeline:
         try:
             getattr(sink, method)(*args)
         except Exception:  # an exporter bug must never stop the engine
-            key = (id(sink), type(sink))
-            if key not in self._failed_sinks:
-                self._failed_sinks.add(key)
-                log.exception("kvmetrics exporter %s failed in %s; continuing",
-                              type(sink).__name__, method)
+            self._sink_failed(sink, method)
+
+    def _sink_failed(self, sink: MetricSink, method: str) -> None:
+        """Log a sink's first failure (the exception being handled); never raises."""
+        key = (id(sink), type(sink))
+        if key not in self._failed_sinks:
+            self._failed_sinks.add(key)
+            log.exception("kvmetrics exporter %s failed in %s; continuing",
+                          type(sink).__name__, method)

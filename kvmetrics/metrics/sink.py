@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvmetrics.metrics.catalogue import MetricSpec
@@ -26,4 +27,11 @@ class MetricSink(Protocol):
     def drop_families(self, common: tuple[str, ...], names: frozenset[str]) -> None:
         """Optional: remove every series of these families for one engine (``common``)
         from the exposition; a sink without it keeps their last values."""
+        ...
+
+    def bind_counter(self, spec: MetricSpec,
+                     label_values: tuple[str, ...]) -> Callable[[float], None] | None:
+        """Optional: a function that adds an amount to this counter series, as ``inc``
+        would, valid until the family is dropped; None while the series has not been
+        admitted (the pipeline keeps calling ``inc`` for it)."""
         ...

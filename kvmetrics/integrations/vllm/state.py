@@ -46,7 +46,7 @@ class InstrumentState(StepRecorder):
     __slots__ = ("step", "next_schedule", "next_update", "output_off", "pipeline",
                  "cpu_ns", "clock_ns", "counted_cpu_ns", "off", "disabled", "newly_absent",
                  "errors", "logged", "holding_attr", "ready", "self_checks", "read_gap_ns",
-                 "read_next_ns", "audit_every", "audit_next", "charged_step",
+                 "read_next_ns", "cpu_report_next_ns", "audit_every", "audit_next", "charged_step",
                  "charged_evict_calls", "samples", "cal", "recovery_tally")
 
     def __init__(self, block_size: int, policy: str, has_connector: bool) -> None:
@@ -93,6 +93,8 @@ class InstrumentState(StepRecorder):
         #: least time between two (step_end.GAUGE_MIN_INTERVAL_S in ns).
         self.read_next_ns = 0
         self.read_gap_ns = 0
+        #: When the CPU estimate may next be reported (step_end.CPU_REPORT_MIN_INTERVAL_S).
+        self.cpu_report_next_ns = 0
         #: The recovery call running, cross-checked with vLLM's count (recovery_check).
         self.recovery_tally: Any = None
         #: Steps between two pool audits, and the first step the next one may run at.

@@ -60,6 +60,12 @@ POOL_AUDIT_BLOCKS = 8
 GAUGE_EVERY = 32
 GAUGE_MIN_INTERVAL_S = 0.25
 
+#: The CPU estimate is reported with the first periodic gauge read once this long has
+#: passed since its last report: charging it and counting it through the pipeline is
+#: about a third of a periodic step's cost, and a second's lag is far below any scrape
+#: interval. Nothing is lost in between: the estimate accumulates until reported.
+CPU_REPORT_MIN_INTERVAL_S = 1.0
+
 class StepEnd:
     """Recording a step, and kvmetrics' own CPU estimate; part of ``InstrumentedMixin``.
     Its state is the scheduler's one :class:`~.state.InstrumentState` (``_kv``)."""
@@ -133,6 +139,8 @@ class StepEnd:
             events.gauges = events.pool = None
         if periodic:
             kv.read_next_ns = now + kv.read_gap_ns
+        if periodic and now >= kv.cpu_report_next_ns:
+            kv.cpu_report_next_ns = now + round(CPU_REPORT_MIN_INTERVAL_S * 1e9)
             self._kv_charge()
             # The estimate so far (this step's own part is counted with the next report).
             spent = kv.cpu_ns
@@ -198,8 +206,14 @@ class StepEnd:
         step = kv.step
         events.gauges = kv.self_checks.gauges(me, kv.holding_attr, step, events)
         if periodic and FREE_HOOK not in kv.off:
-            for rid in kv.self_checks.unseen_finishes(events, kv.requests, me.requests):
-                kv.forget(rid)
+            tracked: Any = kv.requests
+            live = me.requests
+            if type(live) is dict:
+                # The requests vLLM no longer holds, found in C; usually none.
+                tracked = tracked.keys() - live.keys()
+            if tracked:
+                for rid in kv.self_checks.unseen_finishes(events, tracked, live):
+                    kv.forget(rid)
         pool = me.kv_cache_manager.block_pool
         if step < kv.audit_next and events.recovery_seconds is None:
             return
