@@ -1,12 +1,13 @@
 """Mutants of the vLLM modules kvmetrics hooks or fingerprints, generated from their source.
 
-The modules and the functions on the counted path are derived, not listed: every module
-of :data:`fingerprints.TARGETS` (which names the class of every hooked method), the
-functions those targets name (a whole class: all its methods), every method named like
-a hook of :data:`hooks.HOOKS`, and, transitively, the functions of the same module those
-call. Each operator is applied at every site it finds in them; a mutant changes only the
-source of the functions (or class-level statements) it touches, so every other function
-keeps its exact text, and with it its fingerprint.
+The modules and the functions on the counted path are derived from the hook table, not
+listed: the module of each class a hook or a read attribute belongs to
+(:data:`source_hashes.OWNER_CLASSES`), there each hooked method, the ``__init__`` that
+sets up the state the hooks read, each read attribute that is a method or property, a
+read dataclass as a whole, every method named like a hook of :data:`hooks.HOOKS`, and,
+transitively, the functions of the same module those call. Each operator is applied at
+every site it finds in them; a mutant changes only the source of the functions (or
+class-level statements) it touches, so every other function keeps its exact text.
 """
 
 from __future__ import annotations
@@ -75,19 +76,52 @@ def _called_names(fn: ast.AST) -> set[str]:
     return names
 
 
-def counted_modules() -> list[_Module]:
-    """Each targeted vLLM module, parsed, with the qualnames on its counted path."""
-    from kvmetrics.integrations.vllm import fingerprints, hooks
+def counted_roots() -> dict[str, set[str]]:
+    """``{module: qualnames}`` where the counted path starts (module docstring)."""
+    # Imported here, not at the top: the campaign's parent must not import the vLLM
+    # modules it mutates (its children fork from it and lay the mutants over them).
+    from kvmetrics.integrations.vllm import hooks, source_hashes
 
     roots: dict[str, set[str]] = {}
-    for target in fingerprints.TARGETS:
-        module, _, qualname = target.partition(":")
-        roots.setdefault(module, set()).add(qualname)
+
+    def add(owner: str, *leaves: str) -> None:
+        target = source_hashes.OWNER_CLASSES.get(owner)
+        if target is None:
+            return
+        module, _, cls = target.partition(":")
+        roots.setdefault(module, set()).update(f"{cls}.{leaf}" if leaf else cls
+                                               for leaf in leaves)
+
+    for hook in hooks.HOOKS:
+        add(hook.owner, hook.method, "__init__")
+    for attribute in hooks.ATTRIBUTES:
+        if attribute.owner == "kv_connector_output":
+            add(attribute.owner, "")  # a dataclass read field by field: all of it
+        else:
+            add(attribute.owner, "__init__", *attribute.names)
+    return roots
+
+
+def counted_modules() -> list[_Module]:
+    """Each targeted vLLM module, parsed, with the qualnames on its counted path. A module
+    that the campaign's warm imports or its own package already load (vLLM's config
+    pulls in the output dataclasses, the connector package its base) cannot be laid
+    over in a forked child: it is left out here, and to the fingerprints."""
+    import sys
+
+    from kvmetrics.integrations.vllm import hooks
+    from kvmetrics.integrations.vllm_lab.mutations import worker
+
+    for name in worker.WARM_IMPORTS:
+        importlib.import_module(name)
+    roots = counted_roots()
     hooked = {hook.method for hook in hooks.HOOKS}
     out = []
     for module, names in sorted(roots.items()):
-        spec = importlib.util.find_spec(module)
-        if spec is None or spec.origin is None:
+        if module in sys.modules:
+            continue
+        spec = importlib.util.find_spec(module)  # imports the parent packages
+        if spec is None or spec.origin is None or module in sys.modules:
             continue
         with open(spec.origin, encoding="utf-8") as f:
             text = f.read()
