@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.budget < 0 or args.jobs < 1:
         parser.error("--budget must be >= 0 and --jobs >= 1")
-    chosen = generator.generate(args.budget, args.seed) if args.budget else []
+    chosen = (generator.generate(args.budget, args.seed,
+                                 generator.counted_modules(overlayable_only=True))
+              if args.budget else [])
     for wanted in args.site:
         try:
             module, operator, prefix = wanted.split(":", 2)

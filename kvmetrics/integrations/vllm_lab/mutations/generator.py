@@ -102,26 +102,30 @@ def counted_roots() -> dict[str, set[str]]:
     return roots
 
 
-def counted_modules() -> list[_Module]:
-    """Each targeted vLLM module, parsed, with the qualnames on its counted path. A module
-    that the campaign's warm imports or its own package already load (vLLM's config
-    pulls in the output dataclasses, the connector package its base) cannot be laid
-    over in a forked child: it is left out here, and to the fingerprints."""
+def counted_modules(overlayable_only: bool = False) -> list[_Module]:
+    """Each targeted vLLM module, parsed, with the qualnames on its counted path.
+
+    ``overlayable_only`` (the campaign's parent, a fresh process): leave out a module that
+    the campaign's warm imports or its own package already load (vLLM's config pulls in
+    the output dataclasses, the connector package its base), since a forked child cannot
+    run a mutant of it; the fingerprints cover those."""
     import sys
 
     from kvmetrics.integrations.vllm import hooks
     from kvmetrics.integrations.vllm_lab.mutations import worker
 
-    for name in worker.WARM_IMPORTS:
-        importlib.import_module(name)
+    if overlayable_only:
+        for name in worker.WARM_IMPORTS:
+            importlib.import_module(name)
+    preloaded = sys.modules if overlayable_only else {}
     roots = counted_roots()
     hooked = {hook.method for hook in hooks.HOOKS}
     out = []
     for module, names in sorted(roots.items()):
-        if module in sys.modules:
+        if module in preloaded:
             continue
         spec = importlib.util.find_spec(module)  # imports the parent packages
-        if spec is None or spec.origin is None or module in sys.modules:
+        if spec is None or spec.origin is None or module in preloaded:
             continue
         with open(spec.origin, encoding="utf-8") as f:
             text = f.read()
