@@ -28,6 +28,12 @@ from prometheus_client.registry import Collector
 from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
 from kvmetrics.exporters.mmap_space import reserve_multiprocess_space
 from kvmetrics.exporters.multiprocess import ProcessLifetime, TolerantMultiProcessCollector
+from kvmetrics.exporters.tls_files import (
+    EncryptedKey,
+    FileRefused,
+    check_tls_file,
+    refuse_passphrase,
+)
 from kvmetrics.metrics.catalogue import (
     ALL_METRICS,
     KV_CACHE_BLOCKS,
@@ -365,8 +371,15 @@ def tls_context(tls: TLSOptions) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
-        context.load_cert_chain(tls.certfile, tls.keyfile)
-    except (OSError, ssl.SSLError) as e:
+        for what, path in (("TLS certificate", tls.certfile), ("TLS key", tls.keyfile),
+                           ("client CA", tls.client_cafile)):
+            if path:
+                check_tls_file(what, path)
+    except FileRefused as e:
+        raise TLSConfigError(str(e)) from None
+    try:
+        context.load_cert_chain(tls.certfile, tls.keyfile, password=refuse_passphrase)
+    except (OSError, ssl.SSLError, EncryptedKey) as e:
         raise TLSConfigError(f"cannot load TLS certificate {tls.certfile!r} with key "
                              f"{tls.keyfile!r}: {_why(e)}") from None
     if tls.client_cafile or tls.client_capath:

@@ -8,7 +8,10 @@ replaced by a regular file; a trace that is ``/dev/zero`` or a FIFO would exhaus
 memory or block forever.
 
 Writing: only a regular file or a new path is written, never a directory, device,
-FIFO or socket; a symbolic link is followed to the file it names (the link stays).
+FIFO or socket; a symbolic link is followed to the file it names (the link stays),
+except where the caller says ``no_follow`` (a file written by a process that runs as
+root, in a directory others may write, as the vLLM port file: a link planted at its
+name, or a file another user owns there, is refused, never followed or replaced).
 The text goes to a temp file created exclusively (``O_EXCL``, random name) next to
 the target, then renamed over it, so a failed write never truncates an old result
 and a planted link at a predictable temp name cannot redirect the write. An existing
@@ -48,15 +51,18 @@ def _kind(mode: int) -> str:
     return "special file"
 
 
-def _existing(path: str, target: str) -> os.stat_result | None:
+def _existing(path: str, target: str, no_follow: bool = False) -> os.stat_result | None:
     """The stat of what ``target`` names (None if nothing), refused if it is not a
-    regular file with one link."""
+    regular file with one link (with ``no_follow``: nor a link, nor another user's)."""
     try:
-        st = os.stat(target)
+        st = os.lstat(target) if no_follow else os.stat(target)
     except (FileNotFoundError, NotADirectoryError):
         return None  # a new file (or a parent that is not a directory: said next)
     except OSError as e:
         raise FileRefused(f"cannot inspect {path}: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise FileRefused(f"{path} is a symbolic link (refused: it is written only as a "
+                          "file of its own, never through a link)")
     if stat.S_ISDIR(st.st_mode):
         raise FileRefused(f"{path} is a directory, not a file")
     if not stat.S_ISREG(st.st_mode):
@@ -65,11 +71,18 @@ def _existing(path: str, target: str) -> os.stat_result | None:
     if st.st_nlink > 1:
         raise FileRefused(f"{path} has {st.st_nlink} hard links: writing would give only "
                           "this name the new content (remove it or pick another path)")
+    if no_follow and st.st_uid != os.geteuid():
+        raise FileRefused(f"{path} is owned by user {st.st_uid}, not by this process's user "
+                          f"{os.geteuid()} (refused: writing would replace their file)")
     return st
 
 
-def _target(path: str) -> tuple[str, str]:
-    """The file a path names (symbolic links followed) and its directory."""
+def _target(path: str, no_follow: bool = False) -> tuple[str, str]:
+    """The file a path names (symbolic links followed, but for the last component with
+    ``no_follow``) and its directory."""
+    if no_follow:
+        parent = os.path.realpath(os.path.dirname(path) or ".")
+        return os.path.join(parent, os.path.basename(path)), parent
     target = os.path.realpath(path)
     return target, os.path.dirname(target) or "."
 
@@ -114,14 +127,17 @@ def check_output_path(path: str) -> str | None:
     return None
 
 
-def write_file(path: str, data: str | bytes) -> None:
+def write_file(path: str, data: str | bytes, no_follow: bool = False) -> None:
     """Write ``data`` (text as UTF-8) to ``path`` atomically (see the module docstring).
 
     Raises :class:`FileRefused` for a path that must not be written and ``OSError`` for
-    a write that failed (a full disk); the old file is then untouched."""
+    a write that failed (a full disk); the old file is then untouched. ``no_follow``:
+    a link at ``path`` or a file there owned by another user is refused; the rename
+    replaces the name itself, so a link planted after the check is replaced, never
+    followed."""
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    target, parent = _target(path)
-    old = _existing(path, target)
+    target, parent = _target(path, no_follow)
+    old = _existing(path, target, no_follow)
     _parent_problem(path, parent)
     fd, tmp = _create_temp(parent, os.path.basename(target))
     try:
@@ -135,7 +151,7 @@ def write_file(path: str, data: str | bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())  # a full disk fails here, not after the rename
         # Checked again just before the rename: the run took a while.
-        _existing(path, target)
+        _existing(path, target, no_follow)
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -169,9 +185,16 @@ def open_regular(path: str, what: str = "", limit: int = MAX_INPUT_BYTES) -> Bin
 
 def read_bytes(path: str, what: str = "", limit: int = MAX_INPUT_BYTES) -> bytes:
     """A whole regular file, at most ``limit`` bytes (a file that grows while it is read,
-    or lies about its size as ``/proc`` files do, is cut off and refused)."""
+    or lies about its size as ``/proc`` files do, is cut off and refused). Read in
+    steps of the size it claims, then of a megabyte: never a buffer of ``limit``
+    bytes for a small file."""
     with open_regular(path, what, limit) as handle:
-        data = handle.read(limit + 1)
+        parts = [handle.read(min(os.fstat(handle.fileno()).st_size, limit) + 1)]
+        total = len(parts[0])
+        while parts[-1] and total <= limit:
+            parts.append(handle.read(min(2**20, limit + 1 - total)))
+            total += len(parts[-1])
+        data = b"".join(parts)
     if len(data) > limit:
         label = f"{what} {path}" if what else str(path)
         raise FileRefused(f"cannot read {label}: over the limit of {limit:,} bytes")
