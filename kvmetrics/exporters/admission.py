@@ -27,6 +27,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvmetrics.metrics import settings
 from kvmetrics.metrics.logs import get_logger
 
 log = get_logger("kvmetrics.http")
@@ -71,23 +72,18 @@ class ServerLimits:
     def from_env(cls, environ: Mapping[str, str]) -> ServerLimits:
         """The defaults, with the page age and request rate an operator may set for
         every endpoint of a process tree (vLLM's EngineCores inherit them):
-        ``KVMETRICS_SCRAPE_MAX_AGE_S`` and ``KVMETRICS_SCRAPE_RATE``. A value that is not
-        a finite number >= 0 is logged (one line) and the default kept: a metrics
-        setting never stops an engine."""
+        ``KVMETRICS_SCRAPE_MAX_AGE_S`` and ``KVMETRICS_SCRAPE_RATE``. A value outside
+        the setting's range (:mod:`kvmetrics.metrics.settings`) is logged (one line
+        naming the range) and the default kept here; a vLLM engine refuses it at start."""
         chosen: dict[str, float] = {}
         for var, name in _ENV_LIMITS.items():
             text = environ.get(var)
             if text is None or not text.strip():
                 continue
             try:
-                value = float(text)
-            except ValueError:
-                value = -1.0
-            if not 0 <= value < float("inf"):
-                log.warning("kvmetrics: %s=%.40r is not a number >= 0; using %s", var, text,
-                            getattr(cls, name))
-                continue
-            chosen[name] = value
+                chosen[name] = settings.number(settings.BY_ENV[var], text)
+            except ValueError as e:
+                log.warning("%s; using %s", e, getattr(cls, name))
         return cls(**chosen)  # type: ignore[arg-type]
 
 

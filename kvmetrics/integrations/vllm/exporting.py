@@ -5,41 +5,18 @@ vLLM's own ``/metrics``, so by default it serves its own scrape endpoint. Settin
 come from environment variables (inherited by EngineCore processes) and can be
 overridden per engine with ``--additional-config '{"kvmetrics": {...}}'``:
 
-==========================  ==================  ==================================
-env var                     additional_config   meaning
-==========================  ==================  ==================================
-KVMETRICS_METRICS_ADDR      metrics_addr        HOST:PORT to serve (default
-                                                127.0.0.1:9401; ``off`` disables;
-                                                data-parallel rank r serves PORT+r)
-KVMETRICS_MODEL_NAME        model_name          ``model_name`` label (default: the
-                                                served model name, made a valid
-                                                label: see below)
-KVMETRICS_ENGINE            engine              ``engine`` label (default: the
-                                                data-parallel index)
-KVMETRICS_STRICT            strict              raise on counter violations (tests)
-KVMETRICS_OTLP_ENDPOINT     otlp_endpoint       also push OTLP/HTTP to this URL
-KVMETRICS_EXPORT            export              ``0``: build no pipeline at all; the
-                                                owner drains the step events
-KVMETRICS_RECOVERY          recovery            ``evict``: the protective recovery
-                                                (:mod:`.protect`; default ``vllm``)
-KVMETRICS_TLS_CERT          tls_cert            serve HTTPS with this PEM
-                                                certificate (needs the key)
-KVMETRICS_TLS_KEY           tls_key             its PEM private key
-KVMETRICS_TLS_CLIENT_CA     tls_client_ca       require client certificates
-                                                signed by this CA (mutual TLS)
-KVMETRICS_METRICS_PORT_FILE -                   write the port bound there (for
-                                                port 0: any free port)
-KVMETRICS_SERVE             serve               ``engine`` (default) or ``process``:
-                                                a supervised exporter process serves
-                                                (:mod:`kvmetrics.exporters.process`)
-==========================  ==================  ==================================
+The table of settings, with each one's kind and range, is :data:`SETTINGS`
+(:mod:`kvmetrics.metrics.settings`; docs/user-guide.md shows it). Every value is
+checked by its kind before use: a string where a string belongs, a flag that is a
+boolean or a documented spelling (``"false"`` is false, ``"maybe"`` is refused), a
+number inside its range.
 
 An unknown key under ``additional_config["kvmetrics"]`` stops the engine at startup
 with one line naming it: a misspelt ``recovery`` must not leave a replica silently
 unprotected. So do a ``metrics_addr`` that is not ``HOST:PORT`` (an operator who
 typed ``http://host:9401`` must learn it at once, not find an engine that exports
 nothing), a ``model_name`` or ``engine`` that cannot be a label value (not
-UTF-8, too long, a control or bidirectional-override character: every scrape would
+UTF-8, too long, a control, bidirectional or invisible character: every scrape would
 fail, or a dashboard show spoofed text) and TLS files that cannot be loaded (the
 operator asked for an encrypted endpoint; serving none, or plain HTTP, would be a lie).
 Only a value someone set is refused: the default ``model_name`` comes from vLLM's
@@ -84,7 +61,9 @@ from kvmetrics.metrics.files import FileRefused, write_file
 from kvmetrics.metrics.labels import check_label_value, model_label
 from kvmetrics.metrics.logs import get_logger
 from kvmetrics.metrics.pipeline import MetricsPipeline
+from kvmetrics.metrics.settings import SETTINGS, check_additional_config, check_env, flag
 from kvmetrics.metrics.sink import MetricSink
+from kvmetrics.metrics.text import short_text
 
 #: Under vLLM's own logger: in ``vllm serve`` that one has the handler (vLLM configures
 #: it with ``propagate=False`` and leaves the root logger bare), so kvmetrics' lines reach
@@ -94,7 +73,6 @@ log = get_logger(LOGGER)  # shared by the vLLM-side modules: escaped once here
 
 DEFAULT_METRICS_ADDR = "127.0.0.1:9401"
 _OFF = ("", "off", "none", "0", "false", "no")
-_TRUE = ("1", "true", "yes", "on")
 #: Where ``/metrics`` is served from: the EngineCore itself, or a process of its own.
 SERVE_MODES = ("engine", "process")
 
@@ -123,8 +101,9 @@ class ExportSettings:
 
 
 #: Every key ``additional_config["kvmetrics"]`` may hold.
-SETTING_KEYS = ("metrics_addr", "model_name", "engine", "strict", "otlp_endpoint", "export",
-                "recovery", "tls_cert", "tls_key", "tls_client_ca", "serve")
+SETTING_KEYS = tuple(s.key for s in SETTINGS if s.key)
+__all__ = ["SETTINGS", "SETTING_KEYS", "ExportSettings", "build_exporter",
+           "check_setting_keys", "settings_for"]
 
 
 def check_setting_keys(vllm_config: Any) -> None:
@@ -133,6 +112,7 @@ def check_setting_keys(vllm_config: Any) -> None:
     that is not ``HOST:PORT``, a label value that cannot be served, or TLS files that
     cannot be loaded."""
     _check_keys(vllm_config)
+    check_env(os.environ)
     settings = settings_for(vllm_config)
     if settings.metrics_addr is not None:
         check_metrics_addr(settings.metrics_addr, _addr_setting_name(vllm_config))
@@ -153,6 +133,8 @@ def check_setting_keys(vllm_config: Any) -> None:
 #: (bracketed, or bare as :func:`parse_host_port` reads it). A scheme or a path is not.
 _HOST = re.compile(r"[A-Za-z0-9._-]*|\[[0-9A-Fa-f:.]+\]|[0-9A-Fa-f:.]+")
 _SHOWN_CHARS = 80
+#: The longest host name DNS can resolve (253 characters, dotted) with room for brackets.
+_MAX_HOST_CHARS = 255
 
 
 def check_metrics_addr(value: Any, setting: str = "KVMETRICS_METRICS_ADDR") -> None:
@@ -164,12 +146,10 @@ def check_metrics_addr(value: Any, setting: str = "KVMETRICS_METRICS_ADDR") -> N
             raise ValueError("not a string")
         host = text.rpartition(":")[0]
         parse_host_port(text)
-        if not _HOST.fullmatch(host):
+        if len(host) > _MAX_HOST_CHARS or not _HOST.fullmatch(host):
             raise ValueError("not a host")
     except ValueError:
-        shown = str(value)
-        if len(shown) > _SHOWN_CHARS:
-            shown = shown[:_SHOWN_CHARS] + "..."
+        shown = short_text(value, _SHOWN_CHARS) if isinstance(value, str) else type(value).__name__
         raise ValueError(f"kvmetrics: {setting}={shown!r} is not an address to serve metrics "
                          "on: expected HOST:PORT with a port from 0 to 65535 (e.g. "
                          "127.0.0.1:9401, 0.0.0.0:9401, [::1]:9401), or off") from None
@@ -193,12 +173,20 @@ def _check_keys(vllm_config: Any) -> None:
         raise ValueError(f"additional_config.kvmetrics must be an object, got {ours!r}")
     unknown = sorted(set(ours) - set(SETTING_KEYS))
     if unknown:
-        raise ValueError(f"additional_config.kvmetrics: unknown setting {unknown[0]!r} "
-                         f"(known: {', '.join(SETTING_KEYS)})")
+        raise ValueError(f"additional_config.kvmetrics: unknown setting "
+                         f"{short_text(unknown[0], 40)!r} (known: {', '.join(SETTING_KEYS)})")
+    check_additional_config(ours)
 
 
-def _flag(value: Any) -> bool:
-    return value if isinstance(value, bool) else str(value).strip().lower() in _TRUE
+def _flag(name: str, value: Any, default: bool) -> bool:
+    """A flag as :func:`check_setting_keys` accepts it; ``default`` for one it refuses
+    (settings built without that check, as a test does, never raise here)."""
+    if isinstance(value, str) and not value.strip():
+        return default
+    try:
+        return flag(name, value)
+    except ValueError:
+        return default
 
 
 def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> ExportSettings:
@@ -238,9 +226,9 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
         model_name=str(values["model_name"]),
         engine=str(values["engine"]),
         port_offset=dp_index,
-        strict=_flag(values["strict"]),
+        strict=_flag("strict", values["strict"], False),
         otlp_endpoint=values["otlp_endpoint"] or None,
-        export=_flag(values["export"]),
+        export=_flag("export", values["export"], True),
         tls=tls if tls.enabled else None,
         serve=str(values["serve"]).strip().lower(),
     )
@@ -307,12 +295,16 @@ def _write_port_file(port: int) -> None:
     if not path:
         return
     try:
-        # An exclusive temp file of a random name, renamed over the file: nothing planted
-        # at a predictable name (a link to /etc/passwd) can redirect the write, and a
-        # device or directory at PATH is refused rather than replaced.
-        write_file(path, f"{port}\n")
-    except (OSError, FileRefused) as e:
-        log.error("kvmetrics: cannot write KVMETRICS_METRICS_PORT_FILE %s: %s", path, e)
+        # An exclusive temp file of a random name, renamed over the name itself: nothing
+        # planted at a predictable name can redirect the write, and a link, a device, a
+        # directory or another user's file at PATH is refused rather than followed or
+        # replaced (an engine runs as root; PATH may be in a shared /tmp).
+        write_file(path, f"{port}\n", no_follow=True)
+    except FileRefused as e:
+        log.error("kvmetrics: cannot write KVMETRICS_METRICS_PORT_FILE: %s", short_text(str(e)))
+    except OSError as e:
+        log.error("kvmetrics: cannot write KVMETRICS_METRICS_PORT_FILE %s: %s",
+                  short_text(path), e.strerror or type(e).__name__)
 
 
 def build_exporter(settings: ExportSettings) -> Exporter:
@@ -338,7 +330,8 @@ def build_exporter(settings: ExportSettings) -> Exporter:
                                      engine_kind="vllm")
             sinks.append(sink_for(provider))
         except Exception:
-            log.exception("kvmetrics: OTLP export to %s disabled", settings.otlp_endpoint)
+            log.exception("kvmetrics: OTLP export to %s disabled",
+                          short_text(settings.otlp_endpoint))
     pipeline = MetricsPipeline(sinks, model_name=settings.model_name, engine=settings.engine,
                                engine_kind="vllm", recovery=settings.recovery,
                                vllm=settings.vllm,
@@ -375,6 +368,8 @@ def _shown(host: str, port: int) -> str:
 
 
 def _log_bind_error(shown: str, reason: str) -> None:
+    """One line, whatever the address: each value in it is cut short once."""
+    shown, reason = short_text(shown, _SHOWN_CHARS), short_text(reason.replace(shown, "ADDR"))
     log.error("kvmetrics: cannot serve metrics on %s: %s; this engine runs on without a "
               "kvmetrics endpoint (free it, or set KVMETRICS_METRICS_ADDR to one it can "
               "bind)", shown, reason)
@@ -396,7 +391,7 @@ def _bind(sink: PrometheusSink, where: tuple[str, int],
         return None
     except Exception:  # a fault of kvmetrics' own: its traceback is the report
         log.exception("kvmetrics: cannot serve metrics on %s; this engine runs on without a "
-                      "kvmetrics endpoint", shown)
+                      "kvmetrics endpoint", short_text(shown, _SHOWN_CHARS))
         return None
     log.info("kvmetrics: serving metrics on %s", server.url)
     _write_port_file(server.port)

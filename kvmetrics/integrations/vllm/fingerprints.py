@@ -143,8 +143,10 @@ def check(files: dict[str, str] | None = None, version: str | None = None,
         base = min(records, key=lambda v: len(differing_entries(records[v], found)))
     record = records[base]
     differing = differing_entries(record, found)
+    # Only a JSON true: the string "false" is true to bool(), and a record edited by
+    # hand must not turn the protective recovery on.
     return Verification(version, base == version and not differing, differing, base,
-                        bool(record.get("protect_verified")), versions)
+                        record.get("protect_verified") is True, versions)
 
 
 def check_safely() -> Verification:
