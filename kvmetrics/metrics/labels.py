@@ -6,8 +6,9 @@ line, because a bad one breaks every scrape later: a value that is not valid UTF
 non-UTF-8 byte in argv or the environment becomes a lone surrogate in Python) makes
 rendering the page raise, so each scrape would be an HTTP 500 while the engine runs
 on, unobserved. Characters that reorder or hide text (controls, U+202E and the other
-bidirectional overrides and isolates) are refused too: a dashboard would show the
-label spoofed.
+bidirectional overrides and isolates, zero-width and filler characters such as U+200B,
+U+FEFF, U+3164) are refused too: a dashboard would show the label spoofed, or two
+replicas whose labels differ would look the same.
 
 A value kvmetrics derives itself (the model name from vLLM's served model name or
 model path, which a user never typed as a label) is never refused: a Hugging Face
@@ -47,8 +48,8 @@ def label_value_problem(value: object) -> str | None:
         return "is not valid UTF-8"
     unsafe = first_unsafe_for_display(value)
     if unsafe is not None:
-        return (f"contains U+{ord(unsafe):04X}, a control or bidirectional-formatting "
-                "character (it would show other text than it holds)")
+        return (f"contains U+{ord(unsafe):04X}, a control, bidirectional-formatting or "
+                "invisible character (it would show other text than it holds)")
     return None
 
 

@@ -16,12 +16,19 @@ from __future__ import annotations
 import re
 
 #: Characters that move or hide the text around them: C0/C1 controls (line feeds,
-#: ESC sequences), the line and paragraph separators, the bidirectional marks,
-#: embeddings, overrides and isolates (U+061C, U+200E/F, U+202A-U+202E, U+2066-U+2069),
-#: and lone surrogates (no UTF-8 output can hold them).
+#: ESC sequences), the line and paragraph separators, every format character (Unicode
+#: category Cf: the bidirectional marks, embeddings, overrides and isolates, and the
+#: zero-width ones, U+200B, U+2060, U+FEFF, the tag characters), the Hangul fillers
+#: (U+115F, U+1160, U+3164, U+FFA0: letters that draw nothing), and lone surrogates
+#: (no UTF-8 output can hold them). Two label values that differ only by one of
+#: these would look the same on a dashboard. The Cf list is Unicode 15.1's
+#: (tests/test_hostile_config.py checks it against the running Python's).
 _UNSAFE_FOR_DISPLAY = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069"
-    "\ud800-\udfff]")
+    "[\x00-\x1f\x7f-\x9f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2"
+    "\u115f\u1160\u180e\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f"
+    "\u3164\ud800-\udfff\ufeff\uffa0\ufff9-\ufffb\U000110bd\U000110cd"
+    "\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001"
+    "\U000e0020-\U000e007f]")
 _SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -31,7 +38,9 @@ def _escaped(match: re.Match[str]) -> str:
     short = _SHORT_ESCAPES.get(char)
     if short is not None:
         return short
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def escape_for_display(text: str) -> str:
