@@ -32,7 +32,7 @@ OBJECT_BYTES, LIST_BYTES = 192, 64
 #: have far fewer: a run's JSON about 0.2 times, a soak report about 1.5 times) ...
 MAX_CONTAINER_BYTES_PER_BYTE = 4
 #: ... or this much, whichever is more: a small file is never refused for its shape.
-CONTAINER_BYTES_FLOOR = 4 * 2**20
+CONTAINER_BYTES_FLOOR = 8 * 2**20
 
 
 class JSONRefused(ValueError):
