@@ -435,3 +435,25 @@ def test_ordinary_json_still_loads() -> None:
     rows = [{"step": i, "tokens": [i, i + 1, i * 1.5], "name": f"r{i}"} for i in range(20000)]
     assert strict_json.loads(strict_json.dumps({"rows": rows}))["rows"][-1]["step"] == 19999
     assert strict_json.loads("[{}]") == [{}]  # tiny files: under the floor, whatever shape
+
+
+@pytest.mark.parametrize("value", [5, ["evict"], {"a": 1}, "x" * 70_000])
+def test_the_recovery_setting_read_before_the_others_is_one_short_line(value: Any) -> None:
+    """The scheduler class reads ``recovery`` first (it decides the class), so its check
+    cannot wait for the settings' own."""
+    from kvmetrics.integrations.vllm.protect import protect_decided
+
+    line = _refused(partial(protect_decided, (), {"vllm_config": _config({"recovery": value})}))
+    assert "recovery" in line.lower()
+
+
+def test_null_in_additional_config_leaves_the_environment_value(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmetrics.integrations.vllm.exporting import settings_for
+    from kvmetrics.integrations.vllm.protect import recovery_setting
+
+    env = {"KVMETRICS_MODEL_NAME": "chat", "KVMETRICS_RECOVERY": "evict"}
+    config = _config({"model_name": None, "recovery": None, "strict": None})
+    assert settings_for(config, env=env).model_name == "chat"
+    assert recovery_setting(config, env=env) == "evict"
+    check_setting_keys(config)

@@ -213,7 +213,9 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
     }
     extra = getattr(vllm_config, "additional_config", None)
     if isinstance(extra, dict) and isinstance(extra.get("kvmetrics"), dict):
-        values.update({k: v for k, v in extra["kvmetrics"].items() if k in values})
+        # null: not set here (the environment's value stands).
+        values.update({k: v for k, v in extra["kvmetrics"].items()
+                       if k in values and v is not None})
     tls = TLSOptions(certfile=values["tls_cert"] or None, keyfile=values["tls_key"] or None,
                      client_cafile=values["tls_client_ca"] or None)
     addr = values["metrics_addr"]

@@ -40,6 +40,7 @@ from typing import Any
 from kvmetrics.integrations.vllm import fingerprints
 from kvmetrics.integrations.vllm.exporting import LOGGER
 from kvmetrics.integrations.vllm.hooks import Hook, argument, signature_problem, vllm_base
+from kvmetrics.metrics.text import short_repr, short_text
 
 log = logging.getLogger(LOGGER)
 
@@ -66,11 +67,15 @@ def recovery_setting(vllm_config: Any, env: Mapping[str, str] | None = None) -> 
     value: Any = env.get("KVMETRICS_RECOVERY", "vllm")
     extra = getattr(vllm_config, "additional_config", None)
     if isinstance(extra, dict) and isinstance(extra.get("kvmetrics"), dict):
-        value = extra["kvmetrics"].get("recovery", value)
-    value = str(value).strip().lower() or "vllm"
+        ours = extra["kvmetrics"].get("recovery")
+        value = value if ours is None else ours  # null: not set here
+    if not isinstance(value, str):  # before the settings' own check: this runs first
+        raise ValueError(f"kvmetrics: additional_config.kvmetrics.recovery must be a string, "
+                         f"got {type(value).__name__} {short_repr(value, 40)}")
+    value = value.strip().lower() or "vllm"
     if value not in RECOVERIES:
         raise ValueError(f"KVMETRICS_RECOVERY must be one of {', '.join(RECOVERIES)}, "
-                         f"got {value!r}")
+                         f"got {short_text(value, 40)!r}")
     return value
 
 
