@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import ssl
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,12 +27,8 @@ from prometheus_client.registry import Collector
 from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
 from kvmetrics.exporters.mmap_space import reserve_multiprocess_space
 from kvmetrics.exporters.multiprocess import ProcessLifetime, TolerantMultiProcessCollector
-from kvmetrics.exporters.tls_files import (
-    EncryptedKey,
-    FileRefused,
-    check_tls_file,
-    refuse_passphrase,
-)
+from kvmetrics.exporters.tls import TLSConfigError as TLSConfigError  # re-exported
+from kvmetrics.exporters.tls import TLSOptions, tls_context
 from kvmetrics.metrics.catalogue import (
     ALL_METRICS,
     KV_CACHE_BLOCKS,
@@ -340,63 +335,6 @@ class _StepGauges(Collector):
                 if spec.name not in hidden:
                     families[spec.name].add_metric([*common, *values], value)
         yield from families.values()
-
-
-@dataclass
-class TLSOptions:
-    certfile: str | None = None
-    keyfile: str | None = None
-    client_cafile: str | None = None
-    client_capath: str | None = None
-    client_auth_required: bool = False
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.certfile or self.keyfile or self.client_cafile or self.client_capath)
-
-
-class TLSConfigError(ValueError):
-    """A TLS setting that cannot work (one line, naming the file and why)."""
-
-
-def tls_context(tls: TLSOptions) -> ssl.SSLContext:
-    """The server context, or TLSConfigError naming the file that is missing or bad.
-
-    A client CA makes client certificates required: a CA that is configured but not
-    enforced would look like authentication and be none.
-    """
-    if not (tls.certfile and tls.keyfile):
-        raise TLSConfigError("TLS needs both a certificate and a key file"
-                             f" (got cert={tls.certfile!r}, key={tls.keyfile!r})")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        for what, path in (("TLS certificate", tls.certfile), ("TLS key", tls.keyfile),
-                           ("client CA", tls.client_cafile)):
-            if path:
-                check_tls_file(what, path)
-    except FileRefused as e:
-        raise TLSConfigError(str(e)) from None
-    try:
-        context.load_cert_chain(tls.certfile, tls.keyfile, password=refuse_passphrase)
-    except (OSError, ssl.SSLError, EncryptedKey) as e:
-        raise TLSConfigError(f"cannot load TLS certificate {tls.certfile!r} with key "
-                             f"{tls.keyfile!r}: {_why(e)}") from None
-    if tls.client_cafile or tls.client_capath:
-        try:
-            context.load_verify_locations(tls.client_cafile, tls.client_capath)
-        except (OSError, ssl.SSLError) as e:
-            where = tls.client_cafile or tls.client_capath
-            raise TLSConfigError(f"cannot load client CA {where!r}: {_why(e)}") from None
-        context.verify_mode = ssl.CERT_REQUIRED
-    elif tls.client_auth_required:
-        raise TLSConfigError("client certificates required but no client CA given")
-    return context
-
-
-def _why(e: BaseException) -> str:
-    text = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
-    return " ".join(str(text).split())
 
 
 @dataclass

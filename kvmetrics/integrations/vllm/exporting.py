@@ -3,7 +3,7 @@
 The scheduler runs in vLLM's EngineCore process, not in the API server that serves
 vLLM's own ``/metrics``, so by default it serves its own scrape endpoint. Settings
 come from environment variables (inherited by EngineCore processes) and can be
-overridden per engine with ``--additional-config '{"kvmetrics": {...}}'``:
+overridden per engine with ``--additional-config '{"kvmetrics": {...}}'``.
 
 The table of settings, with each one's kind and range, is :data:`SETTINGS`
 (:mod:`kvmetrics.metrics.settings`; docs/user-guide.md shows it). Every value is
@@ -102,8 +102,6 @@ class ExportSettings:
 
 #: Every key ``additional_config["kvmetrics"]`` may hold.
 SETTING_KEYS = tuple(s.key for s in SETTINGS if s.key)
-__all__ = ["SETTINGS", "SETTING_KEYS", "ExportSettings", "build_exporter",
-           "check_setting_keys", "settings_for"]
 
 
 def check_setting_keys(vllm_config: Any) -> None:
