@@ -301,6 +301,13 @@ class _Watcher:
         with self._lock:
             self._files.discard(f)
 
+    def after_fork(self) -> None:
+        """In a forked child: locks the watcher's thread may have held at the fork are
+        new (the library then closes the parent's files and opens the child's own)."""
+        self._lock = threading.Lock()
+        for f in list(self._files):
+            f._lock = threading.Lock()
+
     def retire(self) -> None:
         """Stop repairing: the process has marked itself dead (its live-gauge files
         are removed on purpose)."""
@@ -366,6 +373,7 @@ _SAID = {"deleted": "deleted", "replaced": "replaced by another file",
          "directory_recreated": "lost: the directory was deleted and made again"}
 
 _WATCHER = _Watcher()
+os.register_at_fork(after_in_child=_WATCHER.after_fork)
 
 
 def check_now() -> None:
