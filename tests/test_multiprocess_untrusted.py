@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmetrics.exporters import mpfiles
@@ -240,9 +241,13 @@ def test_a_directory_deleted_and_made_again_gets_every_value_back(
     try:
         before = _served(mpdir)
         assert before == {cat.PREEMPTIONS.name: 1.0, cat.KV_CACHE_BLOCKS.name: 77.0}
-        shutil.rmtree(mpdir)
+        mpdir.rename(tmp_path / "gone")  # at once, not file by file under the watcher
+        shutil.rmtree(tmp_path / "gone")
         mpdir.mkdir()
         assert _until(lambda: _served(mpdir) == before) is True, _served(mpdir)
+        library = MultiProcessCollector.merge([str(p) for p in mpdir.glob("*.db")])
+        assert {s.name: s.value for m in library for s in m.samples
+                if s.name in before} == before  # vLLM's /metrics reads them as well
         assert writer.tell(f"render {tmp_path / 'page.txt'}") == "rendered"
         err = writer.finish()
     finally:
