@@ -5,7 +5,9 @@ as the leftovers of 2,000 processes that no longer exist (pids nobody holds). Ti
 prometheus-client's merge of every file (what each scrape cost before, and still costs
 vLLM's own ``/metrics``), kvmetrics' collector on its first scrape and on later ones,
 and both again after one empty ``*.db`` file is added (before, every file was then
-re-read one by one to find the bad one). ``python -m benchmarks.bench_multiprocess``.
+re-read one by one to find the bad one). And one update on the writer's path, the
+library's ``mmap`` store against kvmetrics' ``pwrite``. ``python -m
+benchmarks.bench_multiprocess`` (``--writer`` for the writer's rows alone).
 """
 
 from __future__ import annotations
@@ -104,7 +106,41 @@ def run(quick: bool = False) -> list[Row]:
     return rows
 
 
+def writer_rows(quick: bool = False) -> list[Row]:
+    """One update's cost on the writer's path: prometheus-client's ``mmap`` store
+    against kvmetrics' ``pwrite`` (:class:`~kvmetrics.exporters.mmap_space.ValueFile`),
+    timed alternately in rounds; the ratio per round, median and spread."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    from kvmetrics.exporters.mmap_space import ValueFile
+
+    key = '["kvmetrics_preemptions_total", "kvmetrics_preemptions_total", ' \
+          '{"engine": "0", "model_name": "m"}, "h"]'
+    calls = 20_000 if quick else 100_000
+    with tempfile.TemporaryDirectory() as scratch:
+        library = MmapedDict(os.path.join(scratch, "counter_1.db"))
+        ours = ValueFile(os.path.join(scratch, "counter_2.db"))
+        try:
+            ratios, library_us, ours_us = [], [], []
+            for i in range(5 if quick else 9):
+                pair = [(library, library_us), (ours, ours_us)]
+                for target, times in (pair if i % 2 else pair[::-1]):
+                    times.append(best_time(lambda t=target: t.write_value(key, 2.0, 0.0),
+                                           repeat=1, number=calls) * 1e6)
+                ratios.append(ours_us[-1] / library_us[-1])
+        finally:
+            library.close()
+            ours.close()
+    ratios.sort()
+    name = "multiprocess writer, one update"
+    return [Row(name, "prometheus-client mmap store", min(library_us), "us"),
+            Row(name, "kvmetrics pwrite", min(ours_us), "us"),
+            Row(name, f"ratio, median (spread {ratios[0]:.2f}-{ratios[-1]:.2f})",
+                ratios[len(ratios) // 2], "x")]
+
+
 if __name__ == "__main__":
     from benchmarks.common import render
 
-    print(render(run(quick="--quick" in sys.argv)))
+    quick = "--quick" in sys.argv
+    print(render(writer_rows(quick) + ([] if "--writer" in sys.argv else run(quick))))
