@@ -179,8 +179,6 @@ class TolerantMultiProcessCollector(Collector):
         self.on_bad_file = on_bad_file
         self.on_over_budget = on_over_budget or (lambda _path: None)
         self.budget = budget or ScrapeBudget()
-        #: Files left out of the last page for the budget.
-        self.over_budget_last = 0
         #: Scrapes failed because the directory could not be listed.
         self.unavailable = 0
         self._lock = threading.Lock()  # scrapes may render on two threads at once
@@ -221,7 +219,6 @@ class TolerantMultiProcessCollector(Collector):
         bad.extend(self._settle(dead, spending))
         merged = self._settled_merge.copy()
         bad.extend(self._add_live(live, merged, spending))
-        self.over_budget_last = sum(over for _, _, over in bad)
         for n, why, over in bad:
             self._bad(n, why, over)
         # This process's files last, outside the budget (its own series caps bound them):
