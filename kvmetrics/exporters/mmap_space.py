@@ -215,7 +215,9 @@ class ValueFile:
                 content[pos:pos + 16] = _TWO_DOUBLES.pack(*self._values.get(key, (0.0, 0.0)))
             directory, name = os.path.split(self._path)
             temporary = os.path.join(directory, f".{name}.{os.getpid()}.new")
-            fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)  # made new: nothing planted there is written through
+            fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                          | os.O_CLOEXEC, 0o644)
             try:
                 _reserve(fd, 0, self._capacity)
