@@ -133,17 +133,21 @@ def test_each_bound_of_the_budget_leaves_out_files_not_the_page(
 
 _WRITER = """
 import sys
+from kvmetrics.exporters import mmap_space
 from kvmetrics.exporters.prometheus import PrometheusSink
 from kvmetrics.metrics import catalogue as cat
 sink = PrometheusSink()
 common = ("m", "0")
 sink.inc(cat.PREEMPTIONS, common, 1)
 sink.set(cat.KV_CACHE_BLOCKS, common, 77)
+mmap_space.flush()
 print("ready", flush=True)
 for line in sys.stdin:
     if line.startswith("inc"):
         for _ in range(int(line.split()[1])):
             sink.inc(cat.PREEMPTIONS, common, 1)
+        if "noflush" not in line:
+            mmap_space.flush()
         print("written", flush=True)
     elif line.startswith("render"):
         open(line.split()[1], "wb").write(sink.render())

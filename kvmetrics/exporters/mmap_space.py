@@ -9,19 +9,35 @@ page past the new end faults), or fill the filesystem (the library grows a file 
 behind it faults).
 
 :class:`ValueFile` keeps the library's file format, names and growth, but holds the
-values in memory and writes each update with ``pwrite``: a write past the end of a
-truncated file extends it, a write with no room is an ``OSError`` (the value stays
-in memory for the watcher's rewrite), never a fault. Every byte of a file is
-allocated with ``posix_fallocate`` before it is used, so a full filesystem is an
-``OSError`` when a new series needs room (the exporter drops that series and counts
-it).
+values in memory. An update stores the value in a dict and marks its key dirty: no
+system call on the engine's thread (a memory store is what the library's ``mmap``
+costs too). A thread of the process (:mod:`kvmetrics.exporters.value_watcher`) writes
+the dirty values with ``pwrite`` every ``FLUSH_INTERVAL_S`` (0.1 s), each key once
+however often it changed, and neighbouring values in one write. ``pwrite`` cannot
+fault: a write past the end of a truncated file extends it, a write with no room is an
+``OSError`` (the values stay dirty for the next round and the rewrite below). Every
+byte of a file is allocated with ``posix_fallocate`` before it is used; a new series
+(a key not yet in the file, first use of a label set) is written at once, so a full
+filesystem is an ``OSError`` to the caller that asked for room (the exporter drops
+that series and counts it).
 
-A watcher thread (:class:`_Watcher`), once a second, compares each file with what
-this process wrote: a file truncated, replaced, deleted or overwritten in place, or
-its directory deleted and made again, is written anew from the values in memory (a
-new file renamed into place), counted through the listeners of
-:func:`on_rewrite` and logged in one line. The check costs a few system calls per
-file per second on a thread of its own, none per write.
+Why the lag loses nothing a scrape would have read: a scrape reads the files at most
+one flush interval behind the engine, a tenth of a second against scrape intervals of
+seconds, and counters stay monotonic on disk (the thread always writes a key's latest
+value). A clean exit writes everything first: :func:`flush` runs at exit (``atexit``,
+and the finalizers of a forked ``multiprocessing`` child), when the library closes
+its files, and before the process marks itself dead. What an unclean death (SIGKILL,
+a native crash) loses is at most its last interval; the exporter process that serves
+an engine's private directory dies with the engine and removes the directory, so no
+later scrape could have shown those values anyway. Only a directory shared with
+processes that outlive it (one set with ``PROMETHEUS_MULTIPROC_DIR``) keeps a killed
+engine's files, without its last interval of updates.
+
+The same thread, once a second (``CHECK_INTERVAL_S``), compares each file with what
+this process wrote: a file truncated, replaced, deleted or overwritten in place,
+or its directory deleted and made again, is written anew from the values in memory
+(a new file renamed into place), counted through the listeners of :func:`on_rewrite`
+and logged in one line.
 
 The files are per process and shared by every metric of that process (vLLM's own
 too), so the class has to be the one the library uses:
@@ -32,94 +48,67 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import threading
-import time
-import weakref
-from collections.abc import Callable
 
 from prometheus_client import values
 from prometheus_client.mmap_dict import MmapedDict
 
-from kvmetrics.metrics.logs import get_logger
+from kvmetrics.exporters.value_layout import (
+    INT,
+    TWO_DOUBLES,
+    entry,
+    existing_values,
+    identity,
+    open_reserved,
+    reserve,
+)
+from kvmetrics.exporters.value_watcher import (  # noqa: F401 (on_rewrite: the module's API)
+    CHECK_INTERVAL_S,
+    FLUSH_INTERVAL_S,
+    WATCHER,
+    on_rewrite,
+)
 
-log = get_logger("kvmetrics.multiprocess")
-
-#: The size prometheus-client gives a new file (``mmap_dict._INITIAL_MMAP_SIZE``).
-_INITIAL_SIZE = 1 << 16
-#: How often the watcher compares the files and their directory with what was written.
-CHECK_INTERVAL_S = 1.0
-
-_INT = struct.Struct("i")  # native, as prometheus-client writes it
-_TWO_DOUBLES = struct.Struct("dd")
-_pack_two_doubles = _TWO_DOUBLES.pack
-_pwrite = os.pwrite
-
-
-def _entry(key: str) -> bytes:
-    """One new value as the library lays it out: a 4-byte length, the key padded so
-    that the two doubles after it are 8-byte aligned, and those two doubles."""
-    encoded = key.encode("utf-8")
-    padded = encoded + b" " * (8 - (len(encoded) + 4) % 8)
-    return _INT.pack(len(encoded)) + padded + _TWO_DOUBLES.pack(0.0, 0.0)
-
-
-def _reserve(fd: int, start: int, end: int) -> None:
-    """Allocate bytes [start, end) of ``fd`` or raise OSError leaving its size as it was."""
-    if end <= start:
-        return
-    try:
-        os.posix_fallocate(fd, start, end - start)
-    except OSError:
-        with contextlib.suppress(OSError):
-            if os.fstat(fd).st_size != start:
-                os.ftruncate(fd, start)  # a partial allocation must not look like room
-        raise
-
-
-def _existing_values(data: bytes) -> dict[str, tuple[int, float, float]]:
-    """The (position, value, timestamp) of each key in a file left by an earlier
-    process with this pid; empty when its bytes are not a value file."""
-    found: dict[str, tuple[int, float, float]] = {}
-    used = _INT.unpack_from(data)[0] if len(data) >= 8 else 0
-    if used < 8 or used > len(data):
-        return {}
-    pos = 8
-    while pos < used:
-        n = _INT.unpack_from(data, pos)[0] if pos + 4 <= used else -1
-        end = pos + 4 + n + (8 - (n + 4) % 8) + 16
-        if n <= 0 or end > used:
-            return {}
-        try:
-            key = data[pos + 4:pos + 4 + n].decode("utf-8")
-        except UnicodeDecodeError:
-            return {}
-        found[key] = (end - 16, *_TWO_DOUBLES.unpack_from(data, end - 16))
-        pos = end
-    return found
+#: Dirty values this close together are written in one ``pwrite`` (the bytes between
+#: them, keys and values already on disk, are written again unchanged).
+_SPAN_GAP = 4096
 
 
 class ValueFile:
-    """prometheus-client's value file (``values.MmapedDict``'s interface), written
-    with ``pwrite`` from values kept in memory, its space allocated before use."""
+    """prometheus-client's value file (``values.MmapedDict``'s interface): the values
+    kept in memory, written to the file by the watcher's thread with ``pwrite``, its
+    space allocated before use.
+
+    An update is a dict store and a set insert, no system call; a new series (a key
+    not yet in the file) is written at once, since it may need room the filesystem
+    refuses. ``_image`` holds the file's bytes as last written (values of keys that are
+    not dirty equal the file's), so that contiguous dirty values go out in one write.
+    """
 
     def __init__(self, filename: str, read_mode: bool = False) -> None:
         del read_mode  # the library opens its value files to write only
         self._path = filename
+        self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._fd, self._capacity = _open_reserved(filename)
+        self._fd, self._capacity = open_reserved(filename)
         try:
             data = os.pread(self._fd, self._capacity, 0)
-            found = _existing_values(data)
+            found = existing_values(data)
         except OSError:
             found = {}
         self._positions = {k: pos for k, (pos, _, _) in found.items()}
         self._values = {k: (v, ts) for k, (_, v, ts) in found.items()}
+        #: Keys whose value changed since it was last written (the writer adds after
+        #: storing the value; the thread pops before reading it, so none is lost).
+        self._dirty: set[str] = set()
         self._used = max((pos + 16 for pos in self._positions.values()), default=8)
-        if not found:
-            os.pwrite(self._fd, _INT.pack(8) + bytes(4), 0)
-        self._identity = _identity(os.fstat(self._fd))
-        _WATCHER.add(self)
+        if found:
+            self._image = bytearray(data[:self._used])
+        else:
+            self._image = bytearray(INT.pack(8) + bytes(4))
+            os.pwrite(self._fd, bytes(self._image), 0)
+        self._identity = identity(os.fstat(self._fd))
+        WATCHER.add(self)
 
     @property
     def path(self) -> str:
@@ -128,22 +117,22 @@ class ValueFile:
     def read_value(self, key: str) -> tuple[float, float]:
         with self._lock:
             if key not in self._positions:
-                self._add(key)
+                self._add(key, 0.0, 0.0)
                 self._values[key] = (0.0, 0.0)
             return self._values[key]
 
     def write_value(self, key: str, value: float, timestamp: float) -> None:
-        with self._lock:
-            pos = self._positions.get(key)
-            if pos is None:
-                pos = self._add(key)
+        if key in self._positions:  # the engine's path: no lock, no system call
             self._values[key] = (value, timestamp)
-            try:  # noqa: SIM105 (on the engine's path: a try costs nothing, suppress a call)
-                _pwrite(self._fd, _pack_two_doubles(value, timestamp), pos)
-            except OSError:
-                # No room where a truncated file lost its blocks, or EIO: the value is
-                # kept, and the watcher rewrites the file (or says why it cannot).
-                pass
+            self._dirty.add(key)
+            return
+        with self._lock:
+            if key in self._positions:
+                self._values[key] = (value, timestamp)
+                self._dirty.add(key)
+            else:
+                self._add(key, value, timestamp)
+                self._values[key] = (value, timestamp)
 
     def read_all_values(self):  # type: ignore[no-untyped-def]
         """Yield (key, value, timestamp), as the library's class does."""
@@ -152,27 +141,72 @@ class ValueFile:
         for key, (value, timestamp) in items:
             yield key, value, timestamp
 
+    def flush(self) -> None:
+        """Write every value updated since the last flush. A failed write keeps them
+        dirty (the next round tries again; the watcher repairs a damaged file). In a
+        forked child it does nothing: the file is the parent's, which writes newer
+        values to it."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            if self._fd >= 0 and self._dirty:
+                self._write_dirty()
+
+    def _write_dirty(self) -> None:
+        """Move the dirty values into the image and write them (lock held)."""
+        keys = self._take_dirty()
+        spans: list[list[int]] = []
+        for pos in sorted(self._positions[key] for key in keys):
+            if spans and pos - spans[-1][1] <= _SPAN_GAP:
+                spans[-1][1] = pos + 16
+            else:
+                spans.append([pos, pos + 16])
+        try:
+            with memoryview(self._image) as image:
+                for start, end in spans:
+                    os.pwrite(self._fd, image[start:end], start)
+        except OSError:
+            # No room where a truncated file lost its blocks, or EIO: the values
+            # stay dirty, and the watcher rewrites the file (or says why it cannot).
+            self._dirty.update(keys)
+
+    def _take_dirty(self) -> list[str]:
+        """Pop the dirty keys and pack their latest values into the image (lock held)."""
+        keys = []
+        pop, values, positions, image = self._dirty.pop, self._values, self._positions, \
+            self._image
+        while True:
+            try:
+                key = pop()
+            except KeyError:
+                return keys
+            TWO_DOUBLES.pack_into(image, positions[key], *values[key])
+            keys.append(key)
+
     def close(self) -> None:
+        self.flush()
         with self._lock:
             if self._fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(self._fd)
                 self._fd = -1
-        _WATCHER.discard(self)
+        WATCHER.discard(self)
 
-    def _add(self, key: str) -> int:
-        """Append a new key (lock held); OSError, with nothing changed, when the file
-        cannot grow."""
-        entry = _entry(key)
+    def _add(self, key: str, value: float, timestamp: float) -> int:
+        """Append a new key with its value (lock held); OSError, with nothing changed,
+        when the file cannot grow."""
+        new = entry(key, value, timestamp)
         capacity = self._capacity
-        while self._used + len(entry) > capacity:
+        while self._used + len(new) > capacity:
             capacity *= 2
         if capacity > self._capacity:
-            _reserve(self._fd, self._capacity, capacity)
+            reserve(self._fd, self._capacity, capacity)
             self._capacity = capacity
-        os.pwrite(self._fd, entry, self._used)
-        self._used += len(entry)
-        os.pwrite(self._fd, _INT.pack(self._used), 0)
+        os.pwrite(self._fd, new, self._used)
+        self._used += len(new)
+        os.pwrite(self._fd, INT.pack(self._used), 0)
+        self._image += new
+        self._image[0:4] = INT.pack(self._used)
         self._positions[key] = self._used - 16
         return self._used - 16
 
@@ -189,11 +223,11 @@ class ValueFile:
                 return None  # cannot tell (the directory unreadable): the next check will
             try:
                 own = os.fstat(self._fd)
-                if _identity(on_disk) != self._identity:
+                if identity(on_disk) != self._identity:
                     return "replaced"
                 if own.st_size < self._capacity:
                     return "truncated"
-                if os.pread(self._fd, 4, 0) != _INT.pack(self._used):
+                if os.pread(self._fd, 4, 0) != INT.pack(self._used):
                     return "overwritten"
             except OSError:
                 return None
@@ -206,186 +240,48 @@ class ValueFile:
         with self._lock:
             if self._fd < 0:
                 return
-            content = bytearray(self._used)
-            content[0:4] = _INT.pack(self._used)
-            for key, pos in self._positions.items():
-                entry = _entry(key)
-                start = pos + 16 - len(entry)
-                content[start:pos] = entry[:-16]
-                content[pos:pos + 16] = _TWO_DOUBLES.pack(*self._values.get(key, (0.0, 0.0)))
+            keys = self._take_dirty()
             directory, name = os.path.split(self._path)
             temporary = os.path.join(directory, f".{name}.{os.getpid()}.new")
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temporary)  # made new: nothing planted there is written through
-            fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | os.O_CLOEXEC, 0o644)
             try:
-                _reserve(fd, 0, self._capacity)
-                os.pwrite(fd, bytes(content), 0)
+                fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o644)
+            except OSError:
+                self._dirty.update(keys)
+                raise
+            try:
+                reserve(fd, 0, self._capacity)
+                os.pwrite(fd, bytes(self._image), 0)
                 os.rename(temporary, self._path)
             except OSError:
+                self._dirty.update(keys)
                 os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(temporary)
                 raise
             old, self._fd = self._fd, fd
-            self._identity = _identity(os.fstat(fd))
+            self._identity = identity(os.fstat(fd))
             with contextlib.suppress(OSError):
                 os.close(old)
 
 
-def _identity(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
-
-
-def _open_reserved(filename: str) -> tuple[int, int]:
-    """Open ``filename`` (new, or left by an earlier process with our pid) with real
-    blocks for its whole size: (fd, size). A file this call made and could not fill
-    is removed: an empty ``*.db`` left behind would fail every scrape of
-    prometheus-client's own collector (vLLM's ``/metrics``)."""
-    fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        capacity = max(size, _INITIAL_SIZE)
-        _reserve(fd, 0, capacity)
-    except OSError:
-        os.close(fd)
-        if size == 0:
-            with contextlib.suppress(OSError):
-                os.unlink(filename)
-        raise
-    return fd, capacity
-
-
-#: Called with (what happened, where) after the watcher rewrote files; bound methods
-#: are held weakly (a sink that is gone is not kept alive by this list).
-_listeners: list[Callable[[], Callable[[str, str], None] | None]] = []
-
-
-def on_rewrite(listener: Callable[[str, str], None]) -> None:
-    """Call ``listener(what, where)`` for every repair the watcher makes (``what``:
-    deleted, replaced, truncated, overwritten, or directory_recreated). It runs on the
-    watcher's thread."""
-    if hasattr(listener, "__self__"):
-        _listeners.append(weakref.WeakMethod(listener))  # type: ignore[arg-type]
-    else:
-        _listeners.append(lambda: listener)
-
-
-class _Watcher:
-    """One thread per process that repairs this process's value files."""
-
-    def __init__(self) -> None:
-        self._files: weakref.WeakSet[ValueFile] = weakref.WeakSet()
-        self._directories: dict[str, tuple[int, int]] = {}
-        self._lock = threading.Lock()
-        self._pid = -1
-        self._retired = False
-        #: Rewrites done, by what happened (for tests and the log).
-        self.rewrites: dict[str, int] = {}
-
-    def add(self, f: ValueFile) -> None:
-        with self._lock:
-            if self._pid != os.getpid():  # first file, or a forked child: no thread yet
-                self._pid = os.getpid()
-                self._files = weakref.WeakSet()
-                self._directories = {}
-                self._retired = False
-                threading.Thread(target=self._run, name="kvmetrics-mp-files",
-                                 daemon=True).start()
-            self._files.add(f)
-            directory = os.path.dirname(f.path)
-            if directory not in self._directories:
-                with contextlib.suppress(OSError):
-                    self._directories[directory] = _identity(os.stat(directory))
-
-    def discard(self, f: ValueFile) -> None:
-        with self._lock:
-            self._files.discard(f)
-
-    def after_fork(self) -> None:
-        """In a forked child: locks the watcher's thread may have held at the fork are
-        new (the library then closes the parent's files and opens the child's own)."""
-        self._lock = threading.Lock()
-        for f in list(self._files):
-            f._lock = threading.Lock()
-
-    def retire(self) -> None:
-        """Stop repairing: the process has marked itself dead (its live-gauge files
-        are removed on purpose)."""
-        self._retired = True
-
-    def _run(self) -> None:
-        pid = os.getpid()
-        while self._pid == pid:
-            time.sleep(CHECK_INTERVAL_S)
-            if self._pid != pid:
-                return
-            try:
-                self.check()
-            except Exception as e:  # the thread must outlive anything a directory does
-                log.warning("kvmetrics: checking the multiprocess files failed: %s", e)
-
-    def check(self) -> None:
-        """One round: rewrite what was damaged, count it, say it in one line."""
-        if self._retired:
-            return
-        with self._lock:
-            files = list(self._files)
-            directories = dict(self._directories)
-        by_directory: dict[str, list[ValueFile]] = {}
-        for f in files:
-            by_directory.setdefault(os.path.dirname(f.path), []).append(f)
-        for directory, group in by_directory.items():
-            try:
-                now = _identity(os.stat(directory))
-            except OSError:
-                continue  # gone or unreadable: the scrape says so; wait for it
-            if directories.get(directory) not in (None, now):
-                self._repair(group, "directory_recreated", directory)
-            else:
-                for f in group:
-                    what = f.damage()
-                    if what is not None:
-                        self._repair([f], what, f.path)
-            with self._lock:
-                self._directories[directory] = now
-
-    def _repair(self, group: list[ValueFile], what: str, where: str) -> None:
-        failed = []
-        for f in group:
-            try:
-                f.rewrite()
-            except OSError as e:
-                failed.append(f"{os.path.basename(f.path)}: {e.strerror or e}")
-        self.rewrites[what] = self.rewrites.get(what, 0) + 1
-        outcome = f"; could not rewrite {', '.join(failed)}" if failed else ""
-        log.error("kvmetrics: multiprocess value files of pid %d %s (%s): rewrote %d "
-                  "file(s) from the values in memory%s", os.getpid(),
-                  _SAID[what], where, len(group) - len(failed), outcome)
-        for ref in list(_listeners):
-            listener = ref()
-            if listener is not None:
-                with contextlib.suppress(Exception):
-                    listener(what, where)
-
-
-_SAID = {"deleted": "deleted", "replaced": "replaced by another file",
-         "truncated": "truncated", "overwritten": "overwritten in place",
-         "directory_recreated": "lost: the directory was deleted and made again"}
-
-_WATCHER = _Watcher()
-os.register_at_fork(after_in_child=_WATCHER.after_fork)
+def flush() -> None:
+    """Write every value this process updated and has not written yet (a clean
+    shutdown, and tests that read a file right after an update; the thread does it
+    every :data:`~kvmetrics.exporters.value_watcher.FLUSH_INTERVAL_S` and at exit)."""
+    WATCHER.flush()
 
 
 def check_now() -> None:
     """Run the watcher's check at once (tests; the thread runs it every second)."""
-    _WATCHER.check()
+    WATCHER.check()
 
 
 def retire() -> None:
     """This process has marked itself dead: its files are no longer repaired."""
-    _WATCHER.retire()
+    WATCHER.retire()
 
 
 def reserve_multiprocess_space() -> None:

@@ -108,6 +108,7 @@ class ProcessLifetime:
         if self._closed or os.getpid() != self.pid:  # a forked child is not us
             return
         self._closed = True
+        mmap_space.flush()  # every update in the files before the process is marked dead
         mmap_space.retire()  # its live-gauge files go on purpose: not repaired
         try:
             mark_process_dead(self.pid, self.directory)
@@ -222,7 +223,10 @@ class TolerantMultiProcessCollector(Collector):
         for n, why, over in bad:
             self._bad(n, why, over)
         # This process's files last, outside the budget (its own series caps bound them):
-        # counting the files above may have made one.
+        # counting the files above may have made one. Flushed first, so that they hold
+        # the latest values, those counts included (on the scraping thread, never the
+        # engine's).
+        mmap_space.flush()
         names = self._list() if bad else names
         mine = [(n, name) for n in names
                 if (name := parse_name(n)) is not None and name.pid == me]
