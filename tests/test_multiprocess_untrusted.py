@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -261,3 +262,55 @@ def test_a_directory_deleted_and_made_again_gets_every_value_back(
     said = [line for line in err.splitlines() if "multiprocess value files" in line]
     assert len(said) == 1 and "deleted and made again" in said[0], err[-2000:]
     assert not [p.name for p in mpdir.iterdir() if p.name.startswith(".")]  # no leftovers
+
+
+# -- the flush: updates reach the files off the engine's thread ----------------------------
+
+def test_an_update_reaches_the_file_within_a_few_flushes_without_an_explicit_one(
+        mpdir: Path) -> None:
+    writer = Writer(mpdir)
+    try:
+        assert writer.tell("inc 5 noflush") == "written"
+        expected = {cat.PREEMPTIONS.name: 6.0, cat.KV_CACHE_BLOCKS.name: 77.0}
+        # The writer's thread writes it within about FLUSH_INTERVAL_S; the deadline
+        # only bounds a failure.
+        assert _until(lambda: _served(mpdir) == expected) is True, _served(mpdir)
+        writer.finish()
+    finally:
+        writer.kill()
+
+
+_EXIT_WITHOUT_FLUSH = """
+import multiprocessing, sys
+from prometheus_client import Counter
+from kvmetrics.exporters import mmap_space, value_watcher
+value_watcher.FLUSH_INTERVAL_S = 3600.0  # the thread never flushes: only the exit does
+mmap_space.reserve_multiprocess_space()
+counter = Counter("exits", "h", ["who"])
+counter.labels("parent").inc(0)  # the series exists in the file, its value in memory
+
+def child():
+    counter.labels("child").inc(0)
+    counter.labels("child").inc(4)  # a forked child ends with os._exit: no atexit
+
+process = multiprocessing.get_context("fork").Process(target=child)
+process.start()
+process.join()
+counter.labels("parent").inc(3)
+sys.exit(process.exitcode)
+"""
+
+
+def test_a_clean_exit_writes_every_update_a_forked_child_too(mpdir: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_FLUSH], cwd=REPO,
+                          env=_env(mpdir), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    files = {p.name: p for p in mpdir.glob("counter_*.db")}
+    assert len(files) == 2, files
+    found: dict[str, float] = {}
+    for path in files.values():  # each process's file holds both series: summed
+        for key, value, _, _ in MmapedDict.read_all_values_from_file(str(path)):
+            if json.loads(key)[0] == "exits":
+                who = json.loads(key)[2]["who"]
+                found[who] = found.get(who, 0.0) + value
+    assert found == {"parent": 3.0, "child": 4.0}

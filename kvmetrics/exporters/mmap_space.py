@@ -134,13 +134,6 @@ class ValueFile:
                 self._add(key, value, timestamp)
                 self._values[key] = (value, timestamp)
 
-    def read_all_values(self):  # type: ignore[no-untyped-def]
-        """Yield (key, value, timestamp), as the library's class does."""
-        with self._lock:
-            items = list(self._values.items())
-        for key, (value, timestamp) in items:
-            yield key, value, timestamp
-
     def flush(self) -> None:
         """Write every value updated since the last flush. A failed write keeps them
         dirty (the next round tries again; the watcher repairs a damaged file). In a
@@ -272,11 +265,6 @@ def flush() -> None:
     shutdown, and tests that read a file right after an update; the thread does it
     every :data:`~kvmetrics.exporters.value_watcher.FLUSH_INTERVAL_S` and at exit)."""
     WATCHER.flush()
-
-
-def check_now() -> None:
-    """Run the watcher's check at once (tests; the thread runs it every second)."""
-    WATCHER.check()
 
 
 def retire() -> None:
