@@ -5,8 +5,8 @@ as the leftovers of 2,000 processes that no longer exist (pids nobody holds). Ti
 prometheus-client's merge of every file (what each scrape cost before, and still costs
 vLLM's own ``/metrics``), kvmetrics' collector on its first scrape and on later ones,
 and both again after one empty ``*.db`` file is added (before, every file was then
-re-read one by one to find the bad one). And one update on the writer's path, the
-library's ``mmap`` store against kvmetrics' ``pwrite``. ``python -m
+re-read one by one to find the bad one). And the writer's path: one update and one new
+series, the library's ``mmap`` store against kvmetrics' deferred write. ``python -m
 benchmarks.bench_multiprocess`` (``--writer`` for the writer's rows alone).
 """
 
@@ -17,7 +17,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -106,10 +109,29 @@ def run(quick: bool = False) -> list[Row]:
     return rows
 
 
+def _alternating(name: str, ours_label: str, library_time: Callable[[], float],
+                 ours_time: Callable[[], float], rounds: int) -> list[Row]:
+    """Rows for one cost timed alternately in rounds: the best of each, and the ratio
+    per round (ours / the library's), median and spread."""
+    ratios, library_us, ours_us = [], [], []
+    for i in range(rounds):
+        pair = [(library_time, library_us), (ours_time, ours_us)]
+        for timed, times in (pair if i % 2 else pair[::-1]):
+            times.append(timed() * 1e6)
+        ratios.append(ours_us[-1] / library_us[-1])
+    ratios.sort()
+    return [Row(name, "prometheus-client mmap store", min(library_us), "us"),
+            Row(name, ours_label, min(ours_us), "us"),
+            Row(name, f"ratio, median (spread {ratios[0]:.2f}-{ratios[-1]:.2f})",
+                ratios[len(ratios) // 2], "x")]
+
+
 def writer_rows(quick: bool = False) -> list[Row]:
-    """One update's cost on the writer's path: prometheus-client's ``mmap`` store
-    against kvmetrics' ``pwrite`` (:class:`~kvmetrics.exporters.mmap_space.ValueFile`),
-    timed alternately in rounds; the ratio per round, median and spread."""
+    """One update's cost on the writer's path, prometheus-client's ``mmap`` store against
+    kvmetrics' :class:`~kvmetrics.exporters.mmap_space.ValueFile` (a dict store and a
+    dirty mark; its thread writes the file every 0.1 s while the loop runs), and the
+    cost of a new series (a key not yet in the file: written at once, its space
+    allocated first), each timed alternately in rounds."""
     from prometheus_client.mmap_dict import MmapedDict
 
     from kvmetrics.exporters.mmap_space import ValueFile
@@ -117,26 +139,37 @@ def writer_rows(quick: bool = False) -> list[Row]:
     key = '["kvmetrics_preemptions_total", "kvmetrics_preemptions_total", ' \
           '{"engine": "0", "model_name": "m"}, "h"]'
     calls = 20_000 if quick else 100_000
+    rounds = 5 if quick else 9
+    new_keys = 500 if quick else 2000
     with tempfile.TemporaryDirectory() as scratch:
         library = MmapedDict(os.path.join(scratch, "counter_1.db"))
         ours = ValueFile(os.path.join(scratch, "counter_2.db"))
         try:
-            ratios, library_us, ours_us = [], [], []
-            for i in range(5 if quick else 9):
-                pair = [(library, library_us), (ours, ours_us)]
-                for target, times in (pair if i % 2 else pair[::-1]):
-                    times.append(best_time(lambda t=target: t.write_value(key, 2.0, 0.0),
-                                           repeat=1, number=calls) * 1e6)
-                ratios.append(ours_us[-1] / library_us[-1])
+            rows = _alternating(
+                "multiprocess writer, one update", "kvmetrics deferred write",
+                lambda: best_time(lambda: library.write_value(key, 2.0, 0.0), 1, calls),
+                lambda: best_time(lambda: ours.write_value(key, 2.0, 0.0), 1, calls),
+                rounds)
         finally:
             library.close()
             ours.close()
-    ratios.sort()
-    name = "multiprocess writer, one update"
-    return [Row(name, "prometheus-client mmap store", min(library_us), "us"),
-            Row(name, "kvmetrics pwrite", min(ours_us), "us"),
-            Row(name, f"ratio, median (spread {ratios[0]:.2f}-{ratios[-1]:.2f})",
-                ratios[len(ratios) // 2], "x")]
+
+        def new_series(file_class: Callable[[str], Any]) -> float:
+            """Mean seconds to add one series to a fresh file (growth included)."""
+            path = os.path.join(scratch, f"counter_{os.getpid()}.db")
+            f = file_class(path)
+            start = time.perf_counter()
+            for i in range(new_keys):
+                f.write_value(f"{key}-{i}", 1.0, 0.0)
+            spent = time.perf_counter() - start
+            f.close()
+            os.unlink(path)
+            return spent / new_keys
+
+        rows += _alternating("multiprocess writer, one new series",
+                             "kvmetrics write at once", lambda: new_series(MmapedDict),
+                             lambda: new_series(ValueFile), rounds)
+    return rows
 
 
 if __name__ == "__main__":
