@@ -314,3 +314,41 @@ def test_a_clean_exit_writes_every_update_a_forked_child_too(mpdir: Path) -> Non
                 who = json.loads(key)[2]["who"]
                 found[who] = found.get(who, 0.0) + value
     assert found == {"parent": 3.0, "child": 4.0}
+
+
+_FORK_AFTER_UPDATE = """
+import multiprocessing
+from prometheus_client import Counter
+from kvmetrics.exporters import mmap_space, value_watcher
+value_watcher.FLUSH_INTERVAL_S = 3600.0
+mmap_space.reserve_multiprocess_space()
+counter = Counter("forked", "h")
+counter.inc(5)  # in memory, not yet written, when the child is forked
+context = multiprocessing.get_context("fork")
+go = context.Event()
+
+def child():
+    go.wait(30)
+    counter.inc(1)  # the library first closes the parent's files in the child
+
+process = context.Process(target=child)
+process.start()
+counter.inc(4)
+mmap_space.flush()
+go.set()
+process.join()
+"""
+
+
+def test_a_forked_child_never_writes_its_parents_stale_values(mpdir: Path) -> None:
+    """The child holds a copy of the parent's unwritten 5; the parent has since written
+    9. Closing the parent's files in the child must not write the 5 over the 9."""
+    done = subprocess.run([sys.executable, "-c", _FORK_AFTER_UPDATE], cwd=REPO,
+                          env=_env(mpdir), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    by_file = {}
+    for path in mpdir.glob("counter_*.db"):
+        by_file[path.name] = [value for key, value, _, _ in
+                              MmapedDict.read_all_values_from_file(str(path))
+                              if json.loads(key)[0] == "forked"]
+    assert sorted(by_file.values()) == [[1.0], [9.0]], by_file
