@@ -126,6 +126,20 @@ def _alternating(name: str, ours_label: str, library_time: Callable[[], float],
                 ratios[len(ratios) // 2], "x")]
 
 
+def _round_time(f: Any, key: str, n: int) -> float:
+    """Seconds one flush of ``n`` updated keys takes (the thread's work per round, off
+    the engine's thread), best of 200."""
+    keys = [f"{key}-round-{i}" for i in range(n)]
+    best = float("inf")
+    for _ in range(200):
+        for k in keys:
+            f.write_value(k, 2.0, 0.0)
+        start = time.perf_counter()
+        f.flush()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def writer_rows(quick: bool = False) -> list[Row]:
     """One update's cost on the writer's path, prometheus-client's ``mmap`` store against
     kvmetrics' :class:`~kvmetrics.exporters.mmap_space.ValueFile` (a dict store and a
@@ -150,6 +164,8 @@ def writer_rows(quick: bool = False) -> list[Row]:
                 lambda: best_time(lambda: library.write_value(key, 2.0, 0.0), 1, calls),
                 lambda: best_time(lambda: ours.write_value(key, 2.0, 0.0), 1, calls),
                 rounds)
+            rows += [Row("multiprocess writer, the thread's round", f"{n} updated keys",
+                         _round_time(ours, key, n) * 1e6, "us") for n in (1, 100)]
         finally:
             library.close()
             ours.close()
