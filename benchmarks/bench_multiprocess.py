@@ -5,7 +5,9 @@ as the leftovers of 2,000 processes that no longer exist (pids nobody holds). Ti
 prometheus-client's merge of every file (what each scrape cost before, and still costs
 vLLM's own ``/metrics``), kvmetrics' collector on its first scrape and on later ones,
 and both again after one empty ``*.db`` file is added (before, every file was then
-re-read one by one to find the bad one). ``python -m benchmarks.bench_multiprocess``.
+re-read one by one to find the bad one). And the writer's path: one update and one new
+series, the library's ``mmap`` store against kvmetrics' deferred write. ``python -m
+benchmarks.bench_multiprocess`` (``--writer`` for the writer's rows alone).
 """
 
 from __future__ import annotations
@@ -15,11 +17,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from benchmarks.common import Row, best_time
+from kvmetrics.exporters.mpfiles import ScrapeBudget
 from kvmetrics.exporters.multiprocess import TolerantMultiProcessCollector
 
 PROCESSES = 2000
@@ -80,7 +86,11 @@ def run(quick: bool = False) -> list[Row]:
             for source in sources:
                 shutil.copyfile(source, directory / f"{source.name.split('_')[0]}_{pid}.db")
         files = sorted(str(p) for p in directory.glob("*.db"))
-        collector = TolerantMultiProcessCollector(str(directory), lambda path: None)
+        # The whole merge in one scrape (the default budget spreads 2,000 processes'
+        # files over a few scrapes): what is timed is the merge, not the budget.
+        collector = TolerantMultiProcessCollector(
+            str(directory), lambda path: None,
+            budget=ScrapeBudget(max_bytes=1 << 40, max_seconds=float("inf")))
         name = f"multiprocess, {n} dead processes"
         repeat = 2 if quick else 3
         rows.append(Row(name, "prometheus-client merge per scrape",
@@ -99,7 +109,87 @@ def run(quick: bool = False) -> list[Row]:
     return rows
 
 
+def _alternating(name: str, ours_label: str, library_time: Callable[[], float],
+                 ours_time: Callable[[], float], rounds: int) -> list[Row]:
+    """Rows for one cost timed alternately in rounds: the best of each, and the ratio
+    per round (ours / the library's), median and spread."""
+    ratios, library_us, ours_us = [], [], []
+    for i in range(rounds):
+        pair = [(library_time, library_us), (ours_time, ours_us)]
+        for timed, times in (pair if i % 2 else pair[::-1]):
+            times.append(timed() * 1e6)
+        ratios.append(ours_us[-1] / library_us[-1])
+    ratios.sort()
+    return [Row(name, "prometheus-client mmap store", min(library_us), "us"),
+            Row(name, ours_label, min(ours_us), "us"),
+            Row(name, f"ratio, median (spread {ratios[0]:.2f}-{ratios[-1]:.2f})",
+                ratios[len(ratios) // 2], "x")]
+
+
+def _round_time(f: Any, key: str, n: int) -> float:
+    """Seconds one flush of ``n`` updated keys takes (the thread's work per round, off
+    the engine's thread), best of 200."""
+    keys = [f"{key}-round-{i}" for i in range(n)]
+    best = float("inf")
+    for _ in range(200):
+        for k in keys:
+            f.write_value(k, 2.0, 0.0)
+        start = time.perf_counter()
+        f.flush()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def writer_rows(quick: bool = False) -> list[Row]:
+    """One update's cost on the writer's path, prometheus-client's ``mmap`` store against
+    kvmetrics' :class:`~kvmetrics.exporters.mmap_space.ValueFile` (a dict store and a
+    dirty mark; its thread writes the file every 0.1 s while the loop runs), and the
+    cost of a new series (a key not yet in the file: written at once, its space
+    allocated first), each timed alternately in rounds."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    from kvmetrics.exporters.mmap_space import ValueFile
+
+    key = '["kvmetrics_preemptions_total", "kvmetrics_preemptions_total", ' \
+          '{"engine": "0", "model_name": "m"}, "h"]'
+    calls = 20_000 if quick else 100_000
+    rounds = 5 if quick else 9
+    new_keys = 500 if quick else 2000
+    with tempfile.TemporaryDirectory() as scratch:
+        library = MmapedDict(os.path.join(scratch, "counter_1.db"))
+        ours = ValueFile(os.path.join(scratch, "counter_2.db"))
+        try:
+            rows = _alternating(
+                "multiprocess writer, one update", "kvmetrics deferred write",
+                lambda: best_time(lambda: library.write_value(key, 2.0, 0.0), 1, calls),
+                lambda: best_time(lambda: ours.write_value(key, 2.0, 0.0), 1, calls),
+                rounds)
+            rows += [Row("multiprocess writer, the thread's round", f"{n} updated keys",
+                         _round_time(ours, key, n) * 1e6, "us") for n in (1, 100)]
+        finally:
+            library.close()
+            ours.close()
+
+        def new_series(file_class: Callable[[str], Any]) -> float:
+            """Mean seconds to add one series to a fresh file (growth included)."""
+            path = os.path.join(scratch, f"counter_{os.getpid()}.db")
+            f = file_class(path)
+            start = time.perf_counter()
+            for i in range(new_keys):
+                f.write_value(f"{key}-{i}", 1.0, 0.0)
+            spent = time.perf_counter() - start
+            f.close()
+            os.unlink(path)
+            return spent / new_keys
+
+        rows += _alternating("multiprocess writer, one new series",
+                             "kvmetrics write at once", lambda: new_series(MmapedDict),
+                             lambda: new_series(ValueFile), rounds)
+    return rows
+
+
 if __name__ == "__main__":
     from benchmarks.common import render
 
-    print(render(run(quick="--quick" in sys.argv)))
+    quick = "--quick" in sys.argv
+    print(render(writer_rows(quick) + ([] if "--writer" in sys.argv else run(quick))))

@@ -126,9 +126,9 @@ def test_a_full_multiprocess_filesystem_drops_new_series_not_the_process(
 _GROW = """
 import os, sys
 from prometheus_client.mmap_dict import MmapedDict
-from kvmetrics.exporters.mmap_space import ReservedMmapedDict
+from kvmetrics.exporters.mmap_space import ValueFile
 path = os.path.join(os.environ["D"], "counter_1.db")
-d = ReservedMmapedDict(path)
+d = ValueFile(path)
 written = 0
 try:
     for i in range(100000):
@@ -222,7 +222,8 @@ def test_dead_processes_files_are_read_once_and_merged_as_the_library_does(
             (mpdir / f"{typ}_{pid}.db").write_bytes(data)
     reads: list[str] = []
     real_read = mp.read_bytes
-    monkeypatch.setattr(mp, "read_bytes", lambda path: reads.append(path) or real_read(path))
+    monkeypatch.setattr(mp, "read_bytes",
+                        lambda path, **kw: reads.append(path) or real_read(path, **kw))
     bad: list[str] = []
     collector = mp.TolerantMultiProcessCollector(str(mpdir), bad.append)
     first = list(collector.collect())

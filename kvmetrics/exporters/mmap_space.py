@@ -1,96 +1,282 @@
-"""Multiprocess files whose space is reserved before it is written: ENOSPC, not SIGBUS.
+"""The writer of this process's multiprocess value files: nothing done to them kills it.
 
-prometheus-client keeps a process's values in ``*.db`` files it maps into memory. It
-makes a file (and later doubles it) with ``truncate``, which allocates nothing, then
-writes through the mapping. On a full filesystem (a small tmpfs is the usual
-``PROMETHEUS_MULTIPROC_DIR``) the first write to a page with no block behind it is a
-SIGBUS: the process dies with exit 135 and no message, and inside vLLM that process is
-the EngineCore.
+prometheus-client keeps a process's values in ``*.db`` files it maps into memory and
+writes through the mapping. Two things anyone who can write the directory (or fill
+its filesystem) can do then kill the process with SIGBUS (exit 135, no message; inside
+vLLM that process is the EngineCore): truncate a live file (every later store to a
+page past the new end faults), or fill the filesystem (the library grows a file with
+``truncate``, which allocates nothing, and the first store to a page with no block
+behind it faults).
 
-:class:`ReservedMmapedDict` allocates every byte with ``posix_fallocate`` before the
-library maps it, so a full filesystem is an ``OSError`` at the moment a file is made
-or grown (when a new series is created), which the exporter catches: the new series
-is dropped and counted, the ones that already have their place keep counting.
+:class:`ValueFile` keeps the library's file format, names and growth, but holds the
+values in memory. An update stores the value in a dict and marks its key dirty: no
+system call on the engine's thread (a memory store is what the library's ``mmap``
+costs too). A thread of the process (:mod:`kvmetrics.exporters.value_watcher`) writes
+the dirty values with ``pwrite`` every ``FLUSH_INTERVAL_S`` (0.1 s), each key once
+however often it changed, and neighbouring values in one write. ``pwrite`` cannot
+fault: a write past the end of a truncated file extends it, a write with no room is an
+``OSError`` (the values stay dirty for the next round and the rewrite below). Every
+byte of a file is allocated with ``posix_fallocate`` before it is used; a new series
+(a key not yet in the file, first use of a label set) is written at once, so a full
+filesystem is an ``OSError`` to the caller that asked for room (the exporter drops
+that series and counts it).
+
+Why the lag loses nothing a scrape would have read: a scrape reads the files at most
+one flush interval behind the engine, a tenth of a second against scrape intervals of
+seconds, and counters stay monotonic on disk (the thread always writes a key's latest
+value). A clean exit writes everything first: :func:`flush` runs at exit (``atexit``,
+and the finalizers of a forked ``multiprocessing`` child), when the library closes
+its files, and before the process marks itself dead. What an unclean death (SIGKILL,
+a native crash) loses is at most its last interval; the exporter process that serves
+an engine's private directory dies with the engine and removes the directory, so no
+later scrape could have shown those values anyway. Only a directory shared with
+processes that outlive it (one set with ``PROMETHEUS_MULTIPROC_DIR``) keeps a killed
+engine's files, without its last interval of updates.
+
+The same thread, once a second (``CHECK_INTERVAL_S``), compares each file with what
+this process wrote: a file truncated, replaced, deleted or overwritten in place,
+or its directory deleted and made again, is written anew from the values in memory
+(a new file renamed into place), counted through the listeners of :func:`on_rewrite`
+and logged in one line.
 
 The files are per process and shared by every metric of that process (vLLM's own
-too), so the reservation has to happen where the library creates them:
-:func:`reserve_multiprocess_space` points prometheus-client's file class at this
-subclass, once. It changes nothing else: same format, same names, same growth.
+too), so the class has to be the one the library uses:
+:func:`reserve_multiprocess_space` points prometheus-client's file class at it, once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 from prometheus_client import values
 from prometheus_client.mmap_dict import MmapedDict
 
-#: The size prometheus-client gives a new file (``mmap_dict._INITIAL_MMAP_SIZE``).
-_INITIAL_SIZE = 1 << 16
+from kvmetrics.exporters.value_layout import (
+    INT,
+    TWO_DOUBLES,
+    entry,
+    existing_values,
+    identity,
+    open_reserved,
+    reserve,
+)
+from kvmetrics.exporters.value_watcher import (  # noqa: F401 (on_rewrite: the module's API)
+    CHECK_INTERVAL_S,
+    FLUSH_INTERVAL_S,
+    WATCHER,
+    on_rewrite,
+)
+
+#: Dirty values this close together are written in one ``pwrite`` (the bytes between
+#: them, keys and values already on disk, are written again unchanged).
+_SPAN_GAP = 4096
 
 
-def _entry_size(key: str) -> int:
-    """Bytes one new value takes in a file: a 4-byte length, the key padded so that
-    the two doubles after it are 8-byte aligned, and those two doubles."""
-    n = len(key.encode("utf-8"))
-    return 4 + n + (8 - (n + 4) % 8) + 16
+class ValueFile:
+    """prometheus-client's value file (``values.MmapedDict``'s interface): the values
+    kept in memory, written to the file by the watcher's thread with ``pwrite``, its
+    space allocated before use.
 
-
-def _reserve(fd: int, start: int, end: int) -> None:
-    """Allocate bytes [start, end) of ``fd`` or raise OSError leaving its size as it was."""
-    if end <= start:
-        return
-    try:
-        os.posix_fallocate(fd, start, end - start)
-    except OSError:
-        with contextlib.suppress(OSError):
-            if os.fstat(fd).st_size != start:
-                os.ftruncate(fd, start)  # a partial allocation must not look like room
-        raise
-
-
-class ReservedMmapedDict(MmapedDict):
-    """prometheus-client's value file, with its space allocated before it is mapped."""
+    An update is a dict store and a set insert, no system call; a new series (a key
+    not yet in the file) is written at once, since it may need room the filesystem
+    refuses. ``_image`` holds the file's bytes as last written (values of keys that are
+    not dirty equal the file's), so that contiguous dirty values go out in one write.
+    """
 
     def __init__(self, filename: str, read_mode: bool = False) -> None:
-        if not read_mode:
-            _reserve_file(filename)
-        super().__init__(filename, read_mode)
+        del read_mode  # the library opens its value files to write only
+        self._path = filename
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._fd, self._capacity = open_reserved(filename)
+        try:
+            data = os.pread(self._fd, self._capacity, 0)
+            found = existing_values(data)
+        except OSError:
+            found = {}
+        self._positions = {k: pos for k, (pos, _, _) in found.items()}
+        self._values = {k: (v, ts) for k, (_, v, ts) in found.items()}
+        #: Keys whose value changed since it was last written (the writer adds after
+        #: storing the value; the thread pops before reading it, so none is lost).
+        self._dirty: set[str] = set()
+        self._used = max((pos + 16 for pos in self._positions.values()), default=8)
+        if found:
+            self._image = bytearray(data[:self._used])
+        else:
+            self._image = bytearray(INT.pack(8) + bytes(4))
+            os.pwrite(self._fd, bytes(self._image), 0)
+        self._identity = identity(os.fstat(self._fd))
+        WATCHER.add(self)
 
-    def _init_value(self, key: str) -> None:
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def read_value(self, key: str) -> tuple[float, float]:
+        with self._lock:
+            if key not in self._positions:
+                self._add(key, 0.0, 0.0)
+                self._values[key] = (0.0, 0.0)
+            return self._values[key]
+
+    def write_value(self, key: str, value: float, timestamp: float) -> None:
+        if key in self._positions:  # the engine's path: no lock, no system call
+            self._values[key] = (value, timestamp)
+            self._dirty.add(key)
+            return
+        with self._lock:
+            if key in self._positions:
+                self._values[key] = (value, timestamp)
+                self._dirty.add(key)
+            else:
+                self._add(key, value, timestamp)
+                self._values[key] = (value, timestamp)
+
+    def flush(self) -> None:
+        """Write every value updated since the last flush. A failed write keeps them
+        dirty (the next round tries again; the watcher repairs a damaged file). In a
+        forked child it does nothing: the file is the parent's, which writes newer
+        values to it."""
+        if self._pid != os.getpid():
+            return
+        with self._lock:
+            if self._fd >= 0 and self._dirty:
+                self._write_dirty()
+
+    def _write_dirty(self) -> None:
+        """Move the dirty values into the image and write them (lock held)."""
+        keys = self._take_dirty()
+        spans: list[list[int]] = []
+        for pos in sorted(self._positions[key] for key in keys):
+            if spans and pos - spans[-1][1] <= _SPAN_GAP:
+                spans[-1][1] = pos + 16
+            else:
+                spans.append([pos, pos + 16])
+        try:
+            with memoryview(self._image) as image:
+                for start, end in spans:
+                    os.pwrite(self._fd, image[start:end], start)
+        except OSError:
+            # No room where a truncated file lost its blocks, or EIO: the values
+            # stay dirty, and the watcher rewrites the file (or says why it cannot).
+            self._dirty.update(keys)
+
+    def _take_dirty(self) -> list[str]:
+        """Pop the dirty keys and pack their latest values into the image (lock held)."""
+        keys = []
+        pop, values, positions, image = self._dirty.pop, self._values, self._positions, \
+            self._image
+        while True:
+            try:
+                key = pop()
+            except KeyError:
+                return keys
+            TWO_DOUBLES.pack_into(image, positions[key], *values[key])
+            keys.append(key)
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            if self._fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+                self._fd = -1
+        WATCHER.discard(self)
+
+    def _add(self, key: str, value: float, timestamp: float) -> int:
+        """Append a new key with its value (lock held); OSError, with nothing changed,
+        when the file cannot grow."""
+        new = entry(key, value, timestamp)
         capacity = self._capacity
-        while self._used + _entry_size(key) > capacity:
+        while self._used + len(new) > capacity:
             capacity *= 2
         if capacity > self._capacity:
-            _reserve(self._f.fileno(), self._capacity, capacity)
-        super()._init_value(key)
+            reserve(self._fd, self._capacity, capacity)
+            self._capacity = capacity
+        os.pwrite(self._fd, new, self._used)
+        self._used += len(new)
+        os.pwrite(self._fd, INT.pack(self._used), 0)
+        self._image += new
+        self._image[0:4] = INT.pack(self._used)
+        self._positions[key] = self._used - 16
+        return self._used - 16
 
+    def damage(self) -> str | None:
+        """What was done to the file since this process wrote it, or None."""
+        with self._lock:
+            if self._fd < 0:
+                return None
+            try:
+                on_disk = os.stat(self._path, follow_symlinks=False)
+            except FileNotFoundError:
+                return "deleted"
+            except OSError:
+                return None  # cannot tell (the directory unreadable): the next check will
+            try:
+                own = os.fstat(self._fd)
+                if identity(on_disk) != self._identity:
+                    return "replaced"
+                if own.st_size < self._capacity:
+                    return "truncated"
+                if os.pread(self._fd, 4, 0) != INT.pack(self._used):
+                    return "overwritten"
+            except OSError:
+                return None
+            return None
 
-def _reserve_file(filename: str) -> None:
-    """Give ``filename`` (new, or left by an earlier process with our pid) real blocks
-    for its whole mapped size. A file this call made and could not fill is removed: an
-    empty ``*.db`` left behind would fail every scrape of prometheus-client's own
-    collector (vLLM's ``/metrics``)."""
-    fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            _reserve(fd, 0, max(size, _INITIAL_SIZE))
-        except OSError:
-            if size == 0:
+    def rewrite(self) -> None:
+        """Write every value held into a new file at the path (made next to it, then
+        renamed over it) and write to that file from now on; OSError leaves the
+        current one in use."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            keys = self._take_dirty()
+            directory, name = os.path.split(self._path)
+            temporary = os.path.join(directory, f".{name}.{os.getpid()}.new")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temporary)  # made new: nothing planted there is written through
+            try:
+                fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o644)
+            except OSError:
+                self._dirty.update(keys)
+                raise
+            try:
+                reserve(fd, 0, self._capacity)
+                os.pwrite(fd, bytes(self._image), 0)
+                os.rename(temporary, self._path)
+            except OSError:
+                self._dirty.update(keys)
+                os.close(fd)
                 with contextlib.suppress(OSError):
-                    os.unlink(filename)
-            raise
-    finally:
-        os.close(fd)
+                    os.unlink(temporary)
+                raise
+            old, self._fd = self._fd, fd
+            self._identity = identity(os.fstat(fd))
+            with contextlib.suppress(OSError):
+                os.close(old)
+
+
+def flush() -> None:
+    """Write every value this process updated and has not written yet (a clean
+    shutdown, and tests that read a file right after an update; the thread does it
+    every :data:`~kvmetrics.exporters.value_watcher.FLUSH_INTERVAL_S` and at exit)."""
+    WATCHER.flush()
+
+
+def retire() -> None:
+    """This process has marked itself dead: its files are no longer repaired."""
+    WATCHER.retire()
 
 
 def reserve_multiprocess_space() -> None:
-    """Make every value file this process creates from now on a :class:`ReservedMmapedDict`.
+    """Make every value file this process creates from now on a :class:`ValueFile`.
 
     Files opened before (by metrics created earlier in the process) keep the library's
     class; the exporter calls this before it creates any metric.
     """
     if values.MmapedDict is MmapedDict:
-        values.MmapedDict = ReservedMmapedDict  # type: ignore[misc]
+        values.MmapedDict = ValueFile  # type: ignore[misc,assignment]

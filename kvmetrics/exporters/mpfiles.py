@@ -21,6 +21,7 @@ import json
 import os
 import stat
 import struct
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -49,6 +50,37 @@ Entry = tuple[Key, float, float]
 
 class BadFile(Exception):
     """A file left out of the page; the message says why in one line."""
+
+
+class OverBudget(BadFile):
+    """A file left out because reading it would pass the scrape's budget. ``lasting``:
+    the file alone passes it (it is refused again, unread, while it stays the same)."""
+
+    def __init__(self, why: str, lasting: bool = False) -> None:
+        super().__init__(why)
+        self.lasting = lasting
+
+
+@dataclass(frozen=True)
+class ScrapeBudget:
+    """The most one scrape reads of the directory. A file that would pass a bound is
+    left out (and counted) and the rest are served; this process's own files are
+    always read (their size is bounded by the exporter's series caps).
+
+    ``max_series``: distinct series on the page (a file with more entries than this
+    is refused as soon as its parse passes it). ``max_bytes``: file bytes read in one
+    scrape (a dead process's file, read once and kept merged, costs nothing on later
+    scrapes). ``max_seconds``: time spent reading, checked between files and every
+    few thousand entries.
+    """
+
+    max_series: int = 50_000
+    max_bytes: int = 32 << 20
+    max_seconds: float = 2.0
+
+
+#: Entries parsed between two looks at the clock.
+_CLOCK_EVERY = 4096
 
 
 @dataclass(frozen=True)
@@ -84,8 +116,10 @@ def parse_name(path: str) -> FileName | None:
     return FileName(typ, mode, pid, pid_text) if ok else None
 
 
-def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
-    """The used part of a file, after checking its header against its real size.
+def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES,
+               budget_bytes: int | None = None) -> bytes:
+    """The used part of a file, after checking its header against its real size;
+    OverBudget, after reading 8 bytes, if it holds more than ``budget_bytes``.
 
     Opened without following a link and without blocking (a FIFO named ``x.db``
     would otherwise hang the scrape); FileNotFoundError passes through (a process
@@ -109,6 +143,9 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
             raise BadFile(f"header claims {used} bytes, the file has {info.st_size}")
         if used > max_bytes:
             raise BadFile(f"header claims {used} bytes, over the {max_bytes}-byte limit")
+        if budget_bytes is not None and used > budget_bytes:
+            raise OverBudget(f"{used} bytes, over the {budget_bytes} bytes left of the "
+                             "scrape's budget")
         data = os.pread(fd, used, 0)
         if len(data) < used:
             raise BadFile(f"read {len(data)} of the {used} bytes its header claims")
@@ -119,13 +156,21 @@ def read_bytes(path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
         os.close(fd)
 
 
-def parse_entries(data: bytes, keys: dict[bytes, Key]) -> tuple[Entry, ...]:
+def parse_entries(data: bytes, keys: dict[bytes, Key], max_entries: int | None = None,
+                  deadline: float | None = None) -> tuple[Entry, ...]:
     """Every (key, value, timestamp) of a file's used bytes; BadFile at the first entry
-    that does not fit or whose key is not prometheus-client's JSON. ``keys`` caches
+    that does not fit or whose key is not prometheus-client's JSON, OverBudget past
+    ``max_entries`` entries or the ``deadline`` (``time.monotonic()``). ``keys`` caches
     parsed keys across files and scrapes (the same few hundred keys recur)."""
     out = []
     pos, used = 8, len(data)
     while pos < used:
+        if len(out) % _CLOCK_EVERY == 0 and len(out):
+            if max_entries is not None and len(out) > max_entries:
+                raise OverBudget(f"more than {max_entries} series, the scrape's budget",
+                                 lasting=True)
+            if deadline is not None and time.monotonic() > deadline:
+                raise OverBudget("reading it passed the scrape's time budget")
         if pos + 4 > used:
             raise BadFile(f"entry at byte {pos} cut off")
         n = _INT.unpack_from(data, pos)[0]
@@ -140,6 +185,9 @@ def parse_entries(data: bytes, keys: dict[bytes, Key]) -> tuple[Entry, ...]:
         value, timestamp = _TWO_DOUBLES.unpack_from(data, end - 16)
         out.append((key, value, timestamp))
         pos = end
+    if max_entries is not None and len(out) > max_entries:
+        raise OverBudget(f"{len(out)} series, over the scrape's budget of {max_entries}",
+                         lasting=True)
     return tuple(out)
 
 
@@ -177,6 +225,21 @@ class Merged:
         return Merged({name: _Family(f.typ, f.help, f.mode,
                                      {k: list(v) for k, v in f.values.items()})
                        for name, f in self.families.items()})
+
+    def series(self) -> int:
+        return sum(len(f.values) for f in self.families.values())
+
+    def new_series(self, name: FileName, entries: tuple[Entry, ...]) -> int:
+        """How many series :meth:`add` of these entries would create (at most)."""
+        pid_label = name.typ == "gauge" and name.mode in ("all", "liveall")
+        n = 0
+        for (metric, sample, labels, _), _, _ in entries:
+            family = self.families.get(metric)
+            if pid_label:
+                labels = (*labels, ("pid", name.pid_text))
+            if family is None or (sample, labels) not in family.values:
+                n += 1
+        return n
 
     def add(self, name: FileName, entries: tuple[Entry, ...]) -> None:
         for (metric, sample, labels, help_text), value, timestamp in entries:

@@ -25,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
-from kvmetrics.exporters.mmap_space import reserve_multiprocess_space
+from kvmetrics.exporters.mmap_space import on_rewrite, reserve_multiprocess_space
 from kvmetrics.exporters.multiprocess import ProcessLifetime, TolerantMultiProcessCollector
 from kvmetrics.exporters.tls import TLSConfigError as TLSConfigError  # re-exported
 from kvmetrics.exporters.tls import TLSOptions, tls_context
@@ -89,6 +89,7 @@ class PrometheusSink:
         self.multiprocess = directory is not None
         if directory is not None:
             reserve_multiprocess_space()  # before any value file is made: ENOSPC, not SIGBUS
+            on_rewrite(self._rewrote_files)
         #: Updates dropped because their new series could not be stored (multiprocess
         #: mode: no space, or the directory gone). Logged once, then on close().
         self.unstored_updates = 0
@@ -255,15 +256,26 @@ class PrometheusSink:
             if self._merged is None or self._merged[0] != directory:
                 # One collector per sink: it keeps what it read of files that do not change.
                 source = CollectorRegistry(auto_describe=False)
-                source.register(TolerantMultiProcessCollector(directory, self._bad_file))
+                source.register(TolerantMultiProcessCollector(
+                    directory, self._bad_file, on_over_budget=self._over_budget_file))
                 self._merged = (directory, source)
             return self._merged[1]
         return self.registry
 
     def _bad_file(self, path: str) -> None:
         """Count a multiprocess file left out of a page (under this sink's first engine)."""
+        self._count_file_problem("unreadable_multiprocess_file")
+
+    def _over_budget_file(self, path: str) -> None:
+        self._count_file_problem("multiprocess_file_over_budget")
+
+    def _rewrote_files(self, what: str, where: str) -> None:
+        """This process's value files were damaged and written anew (watcher thread)."""
+        self._count_file_problem("multiprocess_file_rewritten")
+
+    def _count_file_problem(self, reason: str) -> None:
         engine = min(self._engines) if self._engines else OTHER_ENGINE
-        child = self._child(SCRAPE_ERRORS, engine + ("unreadable_multiprocess_file",))
+        child = self._child(SCRAPE_ERRORS, engine + (reason,))
         if child is not None:
             child.inc()
 

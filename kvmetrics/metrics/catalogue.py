@@ -276,12 +276,20 @@ INVARIANT_VIOLATIONS = MetricSpec(
     unit="violations", labels={"invariant": INVARIANTS},
 )
 
+#: Why a multiprocess file was left out of a page, or rewritten by its writer.
+SCRAPE_ERROR_REASONS = ("unreadable_multiprocess_file", "multiprocess_file_over_budget",
+                        "multiprocess_file_rewritten")
+
 SCRAPE_ERRORS = MetricSpec(
     "kvmetrics_scrape_errors_total", "counter",
-    "Problems met while rendering the scrape page that did not stop it, by reason: "
-    "unreadable_multiprocess_file is a *.db file in PROMETHEUS_MULTIPROC_DIR that could "
-    "not be read (empty, truncated) and was left out of that page.",
-    unit="errors", labels={"reason": ("unreadable_multiprocess_file",)},
+    "Problems with the multiprocess files (PROMETHEUS_MULTIPROC_DIR) that did not stop "
+    "the page or the engine, by reason: unreadable_multiprocess_file is a *.db file that "
+    "could not be read (empty, truncated) and was left out of a page; "
+    "multiprocess_file_over_budget is one left out because reading it would pass the "
+    "scrape's budget of series, bytes or time; multiprocess_file_rewritten is a repair "
+    "of this process's own files (one truncated, replaced, deleted or overwritten, or "
+    "the directory deleted and made again), written anew from the values in memory.",
+    unit="errors", labels={"reason": SCRAPE_ERROR_REASONS},
 )
 
 #: The families an engine computes from what it sees (not the exporter's own bookkeeping):

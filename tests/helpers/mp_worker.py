@@ -5,7 +5,9 @@ is imported in multiprocess mode here.
 
     run ENGINE SEED OUT [STOP_AFTER]   run a seeded workload as engine label ENGINE and
         write the pipeline's counter totals to OUT (JSON). With STOP_AFTER, write them
-        after that many steps, print "checkpoint" and block until killed.
+        after that many steps, write every value to the files (what a SIGKILL
+        loses is the updates since the last flush), print "checkpoint" and block until
+        killed.
     render OUT                         write the scrape page this process would serve.
 """
 
@@ -16,6 +18,7 @@ import os
 import random
 import sys
 
+from kvmetrics.exporters import mmap_space
 from kvmetrics.exporters.prometheus import PrometheusSink
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.engine import Rig
@@ -45,6 +48,7 @@ def run(engine: str, seed: int, out: str, stop_after: int | None) -> None:
     def after_step(r: Rig) -> None:
         if stop_after is not None and len(r.trace) == stop_after:
             _dump(pipeline, out)
+            mmap_space.flush()
             print("checkpoint", flush=True)
             sys.stdin.readline()  # wait here, mid-run, until the parent kills us
             os._exit(3)

@@ -17,6 +17,7 @@ import os
 import random
 import sys
 
+from kvmetrics.exporters import mmap_space
 from kvmetrics.exporters.prometheus import TLSOptions
 from kvmetrics.integrations.vllm.exporting import ExportSettings, build_exporter
 from tests.helpers.workload import drive, random_workload, rig_for
@@ -30,6 +31,7 @@ def main(mode: str, addr: str, seed: int, tls_files: list[str]) -> None:
     workload = random_workload(random.Random(seed), n_requests=20, load_mode="mixed",
                                fault_rate=0.3, policy="recompute")
     drive(workload, rig_for(workload, exporter.pipeline))
+    mmap_space.flush()  # every value in the files before a test reads them (serve=process)
     child = exporter.serve_process
     port = child.settings.port if child else exporter.server.port if exporter.server else None
     totals = [[name, list(values), value] for (name, values), value
