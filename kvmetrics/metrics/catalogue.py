@@ -104,6 +104,7 @@ SELF_CHECKS = (
     "requests_waiting_for_remote_kv",  # requests awaiting remote KV <= vLLM's waiting count
     "requests_finished",               # requests vLLM freed whose finish kvmetrics counted
     "kv_load_failed_requests",         # failed-load requests vs vLLM's recovery log line
+    "preemptions",                     # a finished request's preemptions vs vLLM's own count
 )
 
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one

@@ -8,11 +8,15 @@ Only the split kvmetrics adds, requests waiting for remote KV, is read from vLLM
 queues: vLLM has no figure of its own for it.
 
 The self-checks compare what kvmetrics derives from vLLM's internals (its own walk of the
-queues it knows) with the figure vLLM computes, on every gauge read at a step that is a
-multiple of :data:`SELF_CHECK_EVERY` (with a pipeline the scheduler reads the gauges every
-32 steps and on steps that recorded something; without one, every step): a handful of
-``len()`` calls. A mismatch means a vLLM whose internals moved under
-kvmetrics (a new release, a fork, a patch): it is counted in
+queues it knows) with the figure vLLM computes, on every gauge read (every recorded step,
+and between those a periodic one; without a pipeline, every step): a handful of
+``len()`` calls, so no step is skipped and a request parked a few steps in a queue
+kvmetrics does not know is seen. The counter checks run where their events happen: a
+finish compares the request's preemptions kvmetrics counted with vLLM's own
+``Request.num_preemptions`` (one dict look-up per finished request), a recovery call
+compares the failed-load requests with vLLM's count (:mod:`.recovery_check`), and the
+periodic gauge read finds requests freed past the finish hook. A mismatch means a vLLM
+whose internals moved under kvmetrics (a new release, a fork, a patch): it is counted in
 ``kvmetrics_self_check_failures_total{check}`` each time it is seen, and logged once per
 check with both values. The checks never change what vLLM does.
 """
@@ -32,14 +36,13 @@ from kvmetrics.metrics.events import GaugeReadings, StepEvents
 
 log = logging.getLogger(LOGGER)
 
-#: Steps between two self-checks (each is a few ``len()`` calls and two vLLM accessors).
-SELF_CHECK_EVERY = 8
-
 #: Queues of waiting requests kvmetrics knows, by the vLLM attribute names they had;
 #: one that a vLLM does not have counts as empty there (``async_kv_waiting`` is 0.34's).
 EXTRA_WAITING_QUEUES = ("async_kv_waiting",)
 #: Checks of counted events: a failure counts each event found missing.
-_EVENT_CHECKS = ("requests_finished", "kv_load_failed_requests")
+_EVENT_CHECKS = ("requests_finished", "kv_load_failed_requests", "preemptions")
+#: The check of a finished request's preemptions (:meth:`SelfChecks.finished_preemptions`).
+PREEMPTIONS_CHECK = "preemptions"
 
 
 @dataclass(frozen=True)
@@ -92,14 +95,13 @@ class SelfChecks:
     def __init__(self) -> None:
         self.logged: set[str] = set()
 
-    def gauges(self, scheduler: Any, holding_attr: str, step: int,
-               events: StepEvents) -> GaugeReadings:
-        """The step's gauges; runs the checks every :data:`SELF_CHECK_EVERY` steps."""
+    def gauges(self, scheduler: Any, holding_attr: str, events: StepEvents) -> GaugeReadings:
+        """The step's gauges, each read checked against vLLM's own counts."""
         ours = derived_request_counts(scheduler, holding_attr)
         theirs = vllm_request_counts(scheduler)
         counts = theirs if theirs is not None else ours
         remote = remote_kv_waiting(scheduler, holding_attr)
-        if theirs is not None and step % SELF_CHECK_EVERY == 0:
+        if theirs is not None:
             self.compare(events, "requests_running", ours.running, theirs.running)
             self.compare(events, "requests_waiting", ours.waiting, theirs.waiting)
             if remote > theirs.waiting:
@@ -126,6 +128,14 @@ class SelfChecks:
         if unseen:
             self.compare(events, "requests_finished", 0, len(unseen))
         return unseen
+
+    def finished_preemptions(self, events: StepEvents, counted: int, request: Any) -> None:
+        """A finishing request: the preemptions kvmetrics counted for it against vLLM's
+        own ``Request.num_preemptions`` (vLLM adds 1 in ``_preempt_request`` whether or
+        not it logs statistics). A preemption vLLM makes past the hook (the work inlined
+        in a caller, a new path) shows here when the request finishes; each missing or
+        extra preemption counts 1 under ``preemptions``."""
+        self.compare(events, PREEMPTIONS_CHECK, counted, int(request.num_preemptions))
 
     def compare(self, events: StepEvents, check: str, ours: float, theirs: float) -> None:
         """Count (and log once) a figure of kvmetrics that differs from vLLM's."""
