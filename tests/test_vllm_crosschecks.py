@@ -15,6 +15,7 @@ import types
 
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.stats import PrefillStats
 
 from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.integrations.vllm import step_end
@@ -108,3 +109,28 @@ def test_a_preemption_vllm_makes_past_the_hook_is_flagged(
     got = preempting_run()
     assert not [key for key in got if key[0] == cat.PREEMPTIONS.name and got[key]]
     assert checks(got) == {"preemptions": preemptions}
+
+
+def test_a_prompt_split_that_differs_from_vllms_is_flagged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prompt_tokens``: each admission's split against vLLM's ``Request.prefill_stats``."""
+    baseline = run_failing_load()
+    got = totals(baseline)
+    baseline.close()
+    prompt = {key[1][0]: v for key, v in got.items() if key[0] == cat.PROMPT_TOKENS.name}
+    assert prompt["external"] > 0 and prompt["local_cache"] > 0
+    assert checks(got) == {}
+
+    # A vLLM whose own split of the prompt differs (local and external swapped).
+    set_split = PrefillStats.set
+
+    def swapped(self, num_prompt_tokens, num_local_cached_tokens,  # noqa: ANN001, ANN202
+                num_external_cached_tokens):
+        set_split(self, num_prompt_tokens, num_external_cached_tokens, num_local_cached_tokens)
+
+    monkeypatch.setattr(PrefillStats, "set", swapped)
+    engine = run_failing_load()
+    got = totals(engine)
+    engine.close()
+    assert {key[1][0]: v for key, v in got.items() if key[0] == cat.PROMPT_TOKENS.name} == prompt
+    assert checks(got) == {"prompt_tokens": 2}

@@ -105,6 +105,7 @@ SELF_CHECKS = (
     "requests_finished",               # requests vLLM freed whose finish kvmetrics counted
     "kv_load_failed_requests",         # failed-load requests vs vLLM's recovery log line
     "preemptions",                     # a finished request's preemptions vs vLLM's own count
+    "prompt_tokens",                   # an admission's prompt tokens by source vs vLLM's split
 )
 
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one

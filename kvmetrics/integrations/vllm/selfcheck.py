@@ -11,14 +11,19 @@ The self-checks compare what kvmetrics derives from vLLM's internals (its own wa
 queues it knows) with the figure vLLM computes, on every gauge read (every recorded step,
 and between those a periodic one; without a pipeline, every step): a handful of
 ``len()`` calls, so no step is skipped and a request parked a few steps in a queue
-kvmetrics does not know is seen. The counter checks run where their events happen: a
-finish compares the request's preemptions kvmetrics counted with vLLM's own
-``Request.num_preemptions`` (one dict look-up per finished request), a recovery call
-compares the failed-load requests with vLLM's count (:mod:`.recovery_check`), and the
-periodic gauge read finds requests freed past the finish hook. A mismatch means a vLLM
-whose internals moved under kvmetrics (a new release, a fork, a patch): it is counted in
-``kvmetrics_self_check_failures_total{check}`` each time it is seen, and logged once per
-check with both values. The checks never change what vLLM does.
+kvmetrics does not know is seen. The counter checks run where their events happen, at
+O(1) per event:
+
+- an admission: the prompt tokens kvmetrics records by source against the split vLLM
+  keeps on the request (``Request.prefill_stats``);
+- a finish: the request's preemptions kvmetrics counted against vLLM's own
+  ``Request.num_preemptions``;
+- a recovery call: the failed-load requests against vLLM's count (:mod:`.recovery_check`);
+- the periodic gauge read: requests freed past the finish hook.
+
+A mismatch means a vLLM whose internals moved under kvmetrics (a new release, a fork, a
+patch): it is counted in ``kvmetrics_self_check_failures_total{check}`` each time it is
+seen, and logged once per check with both values. The checks never change what vLLM does.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ EXTRA_WAITING_QUEUES = ("async_kv_waiting",)
 _EVENT_CHECKS = ("requests_finished", "kv_load_failed_requests", "preemptions")
 #: The check of a finished request's preemptions (:meth:`SelfChecks.finished_preemptions`).
 PREEMPTIONS_CHECK = "preemptions"
+#: The check of an admitted request's prompt tokens by source (:meth:`SelfChecks.prefill`).
+PROMPT_TOKENS_CHECK = "prompt_tokens"
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,21 @@ class SelfChecks:
         extra preemption counts 1 under ``preemptions``."""
         self.compare(events, PREEMPTIONS_CHECK, counted, int(request.num_preemptions))
 
+    def prefill(self, events: StepEvents, local: int, external: int, request: Any) -> None:
+        """An admission whose prompt tokens kvmetrics records (local cache, external;
+        the rest is computed): against the split vLLM keeps on the request itself
+        (``Request.prefill_stats``, set in the same admission from its own local and
+        external counts, whether or not it logs statistics, and taken at the request's
+        first output). A request vLLM holds no split for (taken already) is not
+        compared. A request whose split differs counts 1 under ``prompt_tokens``."""
+        stats = request.prefill_stats
+        if stats is None:
+            return
+        theirs = (int(stats.num_local_cached_tokens), int(stats.num_external_cached_tokens))
+        if (local, external) != theirs:
+            events.count(cat.SELF_CHECK_FAILURES, 1, PROMPT_TOKENS_CHECK)
+            self.log_once(PROMPT_TOKENS_CHECK, (local, external), theirs)
+
     def compare(self, events: StepEvents, check: str, ours: float, theirs: float) -> None:
         """Count (and log once) a figure of kvmetrics that differs from vLLM's."""
         if ours == theirs:
@@ -144,6 +166,10 @@ class SelfChecks:
         # A check of events (not of a state) counts each event it found missing.
         events.count(cat.SELF_CHECK_FAILURES, abs(theirs - ours) if check in _EVENT_CHECKS
                      else 1, check)
+        self.log_once(check, ours, theirs)
+
+    def log_once(self, check: str, ours: object, theirs: object) -> None:
+        """Log a check's first failure, with both figures."""
         if check not in self.logged:
             self.logged.add(check)
             log.warning("kvmetrics self-check %s failed: kvmetrics derives %s from vLLM's "
