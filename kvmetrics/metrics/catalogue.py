@@ -227,7 +227,8 @@ SELF_CHECK_FAILURES = MetricSpec(
     "kvmetrics_self_check_failures_total", "counter",
     "Self-checks of the instrumented scheduler that found a figure kvmetrics derives "
     "from vLLM's internals different from the one vLLM computes itself, by check, "
-    "counted each time one is run and fails (every few steps). Any increase means "
+    "counted each time one is run and fails (every recorded step, and at each admission, "
+    "finish and recovery call it checks). Any increase means "
     "this vLLM's internals moved under kvmetrics: its derived numbers are suspect.",
     unit="failures", labels={"check": SELF_CHECKS},
 )
