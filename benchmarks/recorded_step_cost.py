@@ -5,7 +5,12 @@ something happened, or a periodic gauge read (vLLM's gauges, the self-checks, no
 then the pool audit and the CPU counter's report, the exporters). This runs the real
 vLLM scheduler at steady decode with kvmetrics' clock advanced by ``--step-ms`` per
 step, as under ``vllm serve`` (a gauge read every 32nd step at 10 ms), and prints the
-thread CPU time of the recorded part (``StepEnd._kv_end_step_timed``) per size.
+thread CPU time of the recorded part (``StepEnd._kv_end_step_timed``) per size, and
+of the self-checks inside it (kvmetrics' own count of vLLM's queues and its comparisons
+with vLLM's figures) separately. The event cross-checks (an admission's prompt split, a
+finish's preemptions) run in the hooks, once per event: their calls and mean cost are
+printed per size too. Each self-check call is timed by a wrapper whose clock read is
+calibrated and taken off, so the figures are the checks' own cost.
 
     python -m benchmarks.recorded_step_cost 16 64 --steps 1450
 """
@@ -18,15 +23,61 @@ import logging
 import os
 import statistics
 import sys
+from dataclasses import dataclass, field
 from time import monotonic_ns, thread_time_ns
 from typing import Any
 
+#: The self-check entry points timed: kvmetrics' own count of vLLM's queues (module
+#: functions of selfcheck) and the comparisons (methods of SelfChecks).
+_CHECK_FUNCTIONS = ("derived_request_counts",)
+_CHECK_METHODS = ("compare", "prefill", "finished_preemptions")
 
-def measure(running: int, steps: int, step_ms: float) -> list[int]:
+
+def clock_read_ns(rounds: int = 2000) -> float:
+    """The least interval between two thread-clock reads: what a timing wrapper adds."""
+    return float(min(-thread_time_ns() + thread_time_ns() for _ in range(rounds)))
+
+
+class CheckTimer:
+    """Times the self-checks (outermost call only), less the clock reads."""
+
+    def __init__(self, clock_ns: float) -> None:
+        self.clock_ns = clock_ns
+        self.ns = 0.0
+        self.calls = 0
+        self.depth = 0
+
+    def wrap(self, function: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self.depth:
+                return function(*args, **kwargs)
+            self.depth = 1
+            start = thread_time_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.ns += max(0.0, thread_time_ns() - start - self.clock_ns)
+                self.calls += 1
+                self.depth = 0
+        return timed
+
+
+@dataclass
+class Costs:
+    """One run: per recorded step, its cost and its self-checks' (ns); the event
+    cross-checks outside recorded steps (calls, total ns)."""
+
+    recorded: list[int] = field(default_factory=list)
+    checks: list[float] = field(default_factory=list)
+    event_calls: int = 0
+    event_ns: float = 0.0
+
+
+def measure(running: int, steps: int, step_ms: float) -> Costs:
     """The recorded part's thread CPU time (ns) of each recorded step of one run."""
     from benchmarks.bench_vllm import _vllm_engine
     from kvmetrics.exporters.prometheus import PrometheusSink
-    from kvmetrics.integrations.vllm import step_end
+    from kvmetrics.integrations.vllm import selfcheck, step_end
     from kvmetrics.metrics.pipeline import MetricsPipeline
 
     engine = _vllm_engine(running, True)
@@ -35,18 +86,31 @@ def measure(running: int, steps: int, step_ms: float) -> list[int]:
     cls = type(sched)
     recorded = cls._kv_end_step_timed
     own = "_kv_end_step_timed" in cls.__dict__  # else inherited: removed again after
-    costs: list[int] = []
+    costs = Costs()
+    checks = CheckTimer(clock_read_ns())
+    originals: list[tuple[Any, str, Any]] = [
+        *((selfcheck, name, getattr(selfcheck, name)) for name in _CHECK_FUNCTIONS),
+        *((selfcheck.SelfChecks, name, getattr(selfcheck.SelfChecks, name))
+          for name in _CHECK_METHODS)]
 
     def timed(self: Any, *args: Any) -> None:
+        before_ns, before_calls = checks.ns, checks.calls
+        costs.event_ns, costs.event_calls = (costs.event_ns + before_ns,
+                                             costs.event_calls + before_calls)
+        checks.ns, checks.calls = 0.0, 0
         start = thread_time_ns()
         try:
             recorded(self, *args)
         finally:
-            costs.append(thread_time_ns() - start)
+            costs.recorded.append(thread_time_ns() - start)
+            costs.checks.append(checks.ns)
+            checks.ns, checks.calls = 0.0, 0
 
     now = [monotonic_ns()]
     real_clock = step_end.monotonic_ns
     cls._kv_end_step_timed = timed  # type: ignore[method-assign]
+    for owner, name, function in originals:
+        setattr(owner, name, checks.wrap(function))
     step_end.monotonic_ns = lambda: now[0]
     gc_was_on = gc.isenabled()
     gc.disable()
@@ -60,9 +124,13 @@ def measure(running: int, steps: int, step_ms: float) -> list[int]:
         else:
             del cls._kv_end_step_timed
         step_end.monotonic_ns = real_clock
+        for owner, name, function in originals:
+            setattr(owner, name, function)
         if gc_was_on:
             gc.enable()
     engine.close()
+    costs.event_ns += checks.ns
+    costs.event_calls += checks.calls
     return costs
 
 
@@ -81,16 +149,21 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.getLogger("vllm").setLevel(logging.ERROR)
-    print("running  recorded  mean_us  median_us  q1_us  q3_us")
+    print("running  recorded  mean_us  median_us  q1_us  q3_us  checks_mean_us  "
+          "checks_median_us  event_checks  event_check_mean_us")
     for n in args.running:
-        costs = measure(n, args.steps, args.step_ms)
+        run = measure(n, args.steps, args.step_ms)
+        costs = run.recorded
         if len(costs) < 2:
             print(f"{n:7d}  {len(costs):8d}  (too few recorded steps: raise --steps)")
             continue
         q1, _, q3 = statistics.quantiles(costs)
+        event_mean = run.event_ns / run.event_calls / 1e3 if run.event_calls else 0.0
         print(f"{n:7d}  {len(costs):8d}  {statistics.fmean(costs) / 1e3:7.1f}  "
-              f"{statistics.median(costs) / 1e3:9.1f}  {q1 / 1e3:5.1f}  {q3 / 1e3:5.1f}",
-              flush=True)
+              f"{statistics.median(costs) / 1e3:9.1f}  {q1 / 1e3:5.1f}  {q3 / 1e3:5.1f}  "
+              f"{statistics.fmean(run.checks) / 1e3:14.2f}  "
+              f"{statistics.median(run.checks) / 1e3:16.2f}  {run.event_calls:12d}  "
+              f"{event_mean:19.2f}", flush=True)
     return 0
 
 

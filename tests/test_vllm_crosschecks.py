@@ -15,11 +15,15 @@ import types
 
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.metrics.stats import PrefillStats
 
+from kvmetrics.engine.faults import FaultPlan
 from kvmetrics.integrations.vllm import step_end
 from kvmetrics.integrations.vllm.event_hooks import EventHooks
+from kvmetrics.integrations.vllm_lab.differential import random_workload, run_vllm
 from kvmetrics.metrics import catalogue as cat
 from tests.test_vllm_hooks import run_failing_load, totals
+from tests.test_vllm_recorder_flags import CONFIG as FLAGS_CONFIG
 
 CHECKS = cat.SELF_CHECK_FAILURES.name
 
@@ -79,3 +83,54 @@ def test_a_rollback_vllm_makes_past_the_hook_is_flagged(
     assert broken == {}
     assert not [key for key in got if key[0] == cat.KV_LOAD_FAILED_REQUESTS.name and got[key]]
     assert checks(got) == {"kv_load_failed_requests": 2}
+
+
+def preempting_run() -> dict:
+    """Sync loads failing at 15% under recompute, in a cache tight enough to preempt."""
+    run = run_vllm(FLAGS_CONFIG, random_workload(4, 60, load_mode="sync"),
+                   FaultPlan(rate=0.15, seed=4))
+    assert all(outcome[0] in ("length", "stopped") for outcome in run.outcomes.values())
+    return dict(run.pipeline.totals.series())
+
+
+def test_a_preemption_vllm_makes_past_the_hook_is_flagged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``preemptions``: each finished request's count against vLLM's ``num_preemptions``."""
+    got = preempting_run()
+    preemptions = sum(v for key, v in got.items() if key[0] == cat.PREEMPTIONS.name)
+    assert preemptions > 0
+    assert got[(cat.KV_LOAD_FAILED_REQUESTS.name, ("sync", "recompute", "rescheduled"))] > 0
+    assert checks(got) == {}
+
+    # vLLM preempting where the override cannot see it (its own method, called inline).
+    monkeypatch.setattr(EventHooks, "_preempt_request",
+                        lambda self, *args, **kwargs: Scheduler._preempt_request(
+                            self, *args, **kwargs))
+    got = preempting_run()
+    assert not [key for key in got if key[0] == cat.PREEMPTIONS.name and got[key]]
+    assert checks(got) == {"preemptions": preemptions}
+
+
+def test_a_prompt_split_that_differs_from_vllms_is_flagged(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prompt_tokens``: each admission's split against vLLM's ``Request.prefill_stats``."""
+    baseline = run_failing_load()
+    got = totals(baseline)
+    baseline.close()
+    prompt = {key[1][0]: v for key, v in got.items() if key[0] == cat.PROMPT_TOKENS.name}
+    assert prompt["external"] > 0 and prompt["local_cache"] > 0
+    assert checks(got) == {}
+
+    # A vLLM whose own split of the prompt differs (local and external swapped).
+    set_split = PrefillStats.set
+
+    def swapped(self, num_prompt_tokens, num_local_cached_tokens,  # noqa: ANN001, ANN202
+                num_external_cached_tokens):
+        set_split(self, num_prompt_tokens, num_external_cached_tokens, num_local_cached_tokens)
+
+    monkeypatch.setattr(PrefillStats, "set", swapped)
+    engine = run_failing_load()
+    got = totals(engine)
+    engine.close()
+    assert {key[1][0]: v for key, v in got.items() if key[0] == cat.PROMPT_TOKENS.name} == prompt
+    assert checks(got) == {"prompt_tokens": 2}

@@ -23,6 +23,8 @@ import pytest
 
 from kvmetrics.integrations.vllm import fingerprints, hooks, source_hashes
 from kvmetrics.integrations.vllm_lab import builder, canary_bench
+from kvmetrics.metrics import catalogue as cat
+from kvmetrics.metrics import cross_checks
 from tests.helpers import vllm_overlay
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,6 +135,29 @@ def test_the_derived_set_covers_every_hooked_method_and_owner() -> None:
             continue  # a path this vLLM does not have (hooks.py says which)
         where = f"{method.__module__}:{method.__qualname__}"
         assert where in found, f"{hook.name} ({where}) is not fingerprinted"
+
+
+def test_every_counted_family_is_cross_checked_or_inside_the_verified_set() -> None:
+    counted = {family for entry in (*hooks.HOOKS, *hooks.ATTRIBUTES)
+               for family in entry.families}
+    # kvmetrics' own checks, and the gauges (checked against vLLM's own accessors).
+    own = set(hooks.GAUGE_FAMILIES) | {cat.SELF_CHECK_FAILURES.name, cat.INVARIANT_VIOLATIONS.name,
+                                       cat.GUARD_REJECTED_INCREMENTS.name}
+    assert counted - own - set(cross_checks.LAB_ONLY) == set(cross_checks.CROSS_CHECKS)
+    found = source_hashes.entries(source_hashes.covered_modules())
+    for family, check in cross_checks.CROSS_CHECKS.items():
+        assert check.figure and set(check.checks) <= set(cat.SELF_CHECKS), family
+        if check.checks:
+            continue
+        # No independent figure: every vLLM method feeding it must be fingerprinted.
+        feeding = [h for h in hooks.HOOKS if family in h.families]
+        assert feeding, family
+        for hook in feeding:
+            module, _, cls_name = source_hashes.OWNER_CLASSES[hook.owner].partition(":")
+            method = getattr(getattr(__import__(module, fromlist=[cls_name]), cls_name),
+                             hook.method, None)
+            if method is not None:
+                assert f"{method.__module__}:{method.__qualname__}" in found, (family, hook)
 
 
 def test_the_normalised_hash_ignores_form_and_names_the_changed_function() -> None:

@@ -28,8 +28,7 @@ from kvmetrics.metrics import catalogue as cat
 HAS_CAP = "max_num_inflight_kv_loads" in {f.name for f in dataclasses.fields(SchedulerConfig)}
 INSTRUMENTED = canary_bench.Target(builder.INSTRUMENTED, builder.INSTRUMENTED_ASYNC,
                                    (("export", False),))
-#: Enough requests, each long enough, that the cap holds requests back for more steps
-#: than the self-check's cadence.
+#: Enough requests, each long enough, that the cap holds requests back for many steps.
 REQUESTS = 12
 
 
@@ -54,11 +53,12 @@ def run_capped(steps: int = 80) -> tuple[list[tuple[Any, ...]], dict[str, float]
         arrived = {rid for rid, r in sched.requests.items()
                    if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS}
         bench.update(bench.execute(out), finished_recving=arrived)
-        most_capped = max(most_capped, len(getattr(sched, "async_kv_waiting", ())))
+        capped = len(getattr(sched, "async_kv_waiting", ()))
+        most_capped = max(most_capped, capped)
         (events,) = sched.drain_events()
         g = events.gauges
         rows.append(((g.running, g.waiting + g.waiting_for_remote_kv), sched.get_request_counts(),
-                     g.waiting_for_remote_kv))
+                     g.waiting_for_remote_kv, capped))
         for inc in events.increments:
             if inc.spec is cat.SELF_CHECK_FAILURES:
                 failures[inc.label_values[0]] = failures.get(inc.label_values[0], 0) + inc.amount
@@ -68,9 +68,9 @@ def run_capped(steps: int = 80) -> tuple[list[tuple[Any, ...]], dict[str, float]
 
 def test_the_waiting_gauges_are_vllms_request_counts_at_every_step() -> None:
     rows, failures, most_capped = run_capped()
-    for step, (ours, vllms, _) in enumerate(rows, 1):
+    for step, (ours, vllms, *_) in enumerate(rows, 1):
         assert ours == tuple(vllms), f"step {step}: kvmetrics {ours}, vLLM {vllms}"
-    assert any(remote for *_, remote in rows), "no request ever waited for remote KV"
+    assert any(remote for *_, remote, _ in rows), "no request ever waited for remote KV"
     if HAS_CAP:  # the cap held requests back in the third queue at some step
         assert most_capped >= REQUESTS - 2
     assert failures == {}
@@ -81,13 +81,16 @@ def test_the_old_derivation_trips_the_self_check(monkeypatch: pytest.MonkeyPatch
     """kvmetrics' derivation before vLLM 0.34: ``waiting`` + ``kv_holding_waiting``."""
     monkeypatch.setattr(selfcheck, "EXTRA_WAITING_QUEUES", ())
     with caplog.at_level(logging.WARNING, logger="kvmetrics"):
-        _, failures, _ = run_capped()
+        rows, failures, _ = run_capped()
     lines = [r.getMessage() for r in caplog.records if "self-check" in r.getMessage()]
     if not HAS_CAP:
         # Up to 0.33 there is no third queue: the old derivation is right there.
         assert failures == {} and lines == []
         return
-    assert set(failures) == {"requests_waiting"} and failures["requests_waiting"] >= 1
+    # Checked at every step, not a sample: each step with a request parked in the queue
+    # the old derivation misses counts once.
+    parked_steps = sum(1 for *_, capped in rows if capped)
+    assert set(failures) == {"requests_waiting"} and failures["requests_waiting"] == parked_steps
     # Logged once, with both values, however often it failed.
     assert len(lines) == 1, lines
     found = re.search(r"requests_waiting failed: kvmetrics derives (\d+) from vLLM's "

@@ -104,6 +104,8 @@ SELF_CHECKS = (
     "requests_waiting_for_remote_kv",  # requests awaiting remote KV <= vLLM's waiting count
     "requests_finished",               # requests vLLM freed whose finish kvmetrics counted
     "kv_load_failed_requests",         # failed-load requests vs vLLM's recovery log line
+    "preemptions",                     # a finished request's preemptions vs vLLM's own count
+    "prompt_tokens",                   # an admission's prompt tokens by source vs vLLM's split
 )
 
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one
@@ -225,7 +227,8 @@ SELF_CHECK_FAILURES = MetricSpec(
     "kvmetrics_self_check_failures_total", "counter",
     "Self-checks of the instrumented scheduler that found a figure kvmetrics derives "
     "from vLLM's internals different from the one vLLM computes itself, by check, "
-    "counted each time one is run and fails (every few steps). Any increase means "
+    "counted each time one is run and fails (every recorded step, and at each admission, "
+    "finish and recovery call it checks). Any increase means "
     "this vLLM's internals moved under kvmetrics: its derived numbers are suspect.",
     unit="failures", labels={"check": SELF_CHECKS},
 )

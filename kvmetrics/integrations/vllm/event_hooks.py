@@ -5,7 +5,8 @@ of steps. Each hook is declared as an :class:`~.observe.Override` from its obser
 (functions of vLLM's raw arguments that run inside the guard), so vLLM's method is
 called once, as vLLM called it, and nothing kvmetrics evaluates can raise into it.
 Each observer is timed every time it runs (:mod:`.owncost`). Each recovery call is
-also cross-checked against vLLM's own count of failed requests (:mod:`.recovery_check`).
+also cross-checked against vLLM's own count of failed requests (:mod:`.recovery_check`),
+and each finish against vLLM's own count of the request's preemptions (:mod:`.selfcheck`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvmetrics.integrations.vllm.state import OUTPUT_HOOK, InstrumentState
 from kvmetrics.metrics.events import StepEvents
 
 _ROLLBACK_HOOK = "scheduler._update_requests_with_invalid_blocks"
+_PREEMPT_HOOK = "scheduler._preempt_request"
 
 # -- observers: (kv, scheduler, args, kwargs) before, (..., seen, args, kwargs, result)
 # after vLLM's method ------------------------------------------------------------------
@@ -40,7 +42,12 @@ def _preempted(kv: InstrumentState, sched: Any, computed: int, args: tuple[Any, 
 def _finishing(kv: InstrumentState, sched: Any, args: tuple[Any, ...],
                kwargs: dict[str, Any]) -> None:
     request = argument(args, kwargs, 0, "request")
-    kv.finished(request.request_id, request.status.name)
+    rid = request.request_id
+    if _PREEMPT_HOOK not in kv.off:
+        track = kv.requests.get(rid)
+        kv.self_checks.finished_preemptions(kv.events, track.preemptions if track else 0,
+                                            request)
+    kv.finished(rid, request.status.name)
 
 
 def _recovery_start(kv: InstrumentState, sched: Any, args: tuple[Any, ...],
@@ -106,7 +113,7 @@ class EventHooks:
 
     _kv: InstrumentState
 
-    _preempt_request = Override("scheduler._preempt_request",
+    _preempt_request = Override(_PREEMPT_HOOK,
                                 _computed_before_preemption, _preempted)
     _free_request = Override("scheduler._free_request", _finishing)
     # Timed around vLLM's whole recovery path, also when it raised.

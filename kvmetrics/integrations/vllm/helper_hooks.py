@@ -26,8 +26,14 @@ from kvmetrics.integrations.vllm.recorder import StepRecorder
 def _lookup(kv: Any, sched: Any, seen: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
             result: Any) -> None:
     request = argument(args, kwargs, 0, "request")
-    kv.lookup(request.request_id, request.num_tokens, request.num_prompt_tokens,
-              request.num_preemptions, argument(args, kwargs, 1, "num_hits"))
+    rid, local_hit = request.request_id, argument(args, kwargs, 1, "num_hits")
+    track = kv.requests.get(rid)
+    records_prefill = request.num_preemptions == 0 and not (track and track.prefill_recorded)
+    external = track.pending_ext if track is not None and kv.has_connector else 0
+    kv.lookup(rid, request.num_tokens, request.num_prompt_tokens, request.num_preemptions,
+              local_hit)
+    if records_prefill:
+        kv.self_checks.prefill(kv.events, local_hit, external, request)
 
 
 def _evicting_for_failure(kv: Any, sched: Any, args: tuple[Any, ...],

@@ -39,6 +39,8 @@ class RequestTrack:
     #: count just before the last rollback); above it, on preemption.
     kv_failure_until: int = 0
     lookups: int = 0
+    #: Preemptions counted (checked against vLLM's own count when it finishes).
+    preemptions: int = 0
     prefill_recorded: bool = False
     #: External tokens of the allocation that just succeeded (until its lookup is recorded).
     pending_ext: int = 0
@@ -236,6 +238,7 @@ class StepRecorder:
         self.must_record = True
         self.events.preempted(request_id)
         track = self.track(request_id)
+        track.preemptions += 1
         track.kv_failure_until = 0
         track.high_water = max(track.high_water, computed_before)
         if self.schedule_hooked:

@@ -8,13 +8,22 @@ Only the split kvmetrics adds, requests waiting for remote KV, is read from vLLM
 queues: vLLM has no figure of its own for it.
 
 The self-checks compare what kvmetrics derives from vLLM's internals (its own walk of the
-queues it knows) with the figure vLLM computes, on every gauge read at a step that is a
-multiple of :data:`SELF_CHECK_EVERY` (with a pipeline the scheduler reads the gauges every
-32 steps and on steps that recorded something; without one, every step): a handful of
-``len()`` calls. A mismatch means a vLLM whose internals moved under
-kvmetrics (a new release, a fork, a patch): it is counted in
-``kvmetrics_self_check_failures_total{check}`` each time it is seen, and logged once per
-check with both values. The checks never change what vLLM does.
+queues it knows) with the figure vLLM computes, on every gauge read (every recorded step,
+and between those a periodic one; without a pipeline, every step): a handful of
+``len()`` calls, so no step is skipped and a request parked a few steps in a queue
+kvmetrics does not know is seen. The counter checks run where their events happen, at
+O(1) per event:
+
+- an admission: the prompt tokens kvmetrics records by source against the split vLLM
+  keeps on the request (``Request.prefill_stats``);
+- a finish: the request's preemptions kvmetrics counted against vLLM's own
+  ``Request.num_preemptions``;
+- a recovery call: the failed-load requests against vLLM's count (:mod:`.recovery_check`);
+- the periodic gauge read: requests freed past the finish hook.
+
+A mismatch means a vLLM whose internals moved under kvmetrics (a new release, a fork, a
+patch): it is counted in ``kvmetrics_self_check_failures_total{check}`` each time it is
+seen, and logged once per check with both values. The checks never change what vLLM does.
 """
 
 from __future__ import annotations
@@ -32,14 +41,15 @@ from kvmetrics.metrics.events import GaugeReadings, StepEvents
 
 log = logging.getLogger(LOGGER)
 
-#: Steps between two self-checks (each is a few ``len()`` calls and two vLLM accessors).
-SELF_CHECK_EVERY = 8
-
 #: Queues of waiting requests kvmetrics knows, by the vLLM attribute names they had;
 #: one that a vLLM does not have counts as empty there (``async_kv_waiting`` is 0.34's).
 EXTRA_WAITING_QUEUES = ("async_kv_waiting",)
 #: Checks of counted events: a failure counts each event found missing.
-_EVENT_CHECKS = ("requests_finished", "kv_load_failed_requests")
+_EVENT_CHECKS = ("requests_finished", "kv_load_failed_requests", "preemptions")
+#: The check of a finished request's preemptions (:meth:`SelfChecks.finished_preemptions`).
+PREEMPTIONS_CHECK = "preemptions"
+#: The check of an admitted request's prompt tokens by source (:meth:`SelfChecks.prefill`).
+PROMPT_TOKENS_CHECK = "prompt_tokens"
 
 
 @dataclass(frozen=True)
@@ -92,14 +102,13 @@ class SelfChecks:
     def __init__(self) -> None:
         self.logged: set[str] = set()
 
-    def gauges(self, scheduler: Any, holding_attr: str, step: int,
-               events: StepEvents) -> GaugeReadings:
-        """The step's gauges; runs the checks every :data:`SELF_CHECK_EVERY` steps."""
+    def gauges(self, scheduler: Any, holding_attr: str, events: StepEvents) -> GaugeReadings:
+        """The step's gauges, each read checked against vLLM's own counts."""
         ours = derived_request_counts(scheduler, holding_attr)
         theirs = vllm_request_counts(scheduler)
         counts = theirs if theirs is not None else ours
         remote = remote_kv_waiting(scheduler, holding_attr)
-        if theirs is not None and step % SELF_CHECK_EVERY == 0:
+        if theirs is not None:
             self.compare(events, "requests_running", ours.running, theirs.running)
             self.compare(events, "requests_waiting", ours.waiting, theirs.waiting)
             if remote > theirs.waiting:
@@ -127,6 +136,29 @@ class SelfChecks:
             self.compare(events, "requests_finished", 0, len(unseen))
         return unseen
 
+    def finished_preemptions(self, events: StepEvents, counted: int, request: Any) -> None:
+        """A finishing request: the preemptions kvmetrics counted for it against vLLM's
+        own ``Request.num_preemptions`` (vLLM adds 1 in ``_preempt_request`` whether or
+        not it logs statistics). A preemption vLLM makes past the hook (the work inlined
+        in a caller, a new path) shows here when the request finishes; each missing or
+        extra preemption counts 1 under ``preemptions``."""
+        self.compare(events, PREEMPTIONS_CHECK, counted, int(request.num_preemptions))
+
+    def prefill(self, events: StepEvents, local: int, external: int, request: Any) -> None:
+        """An admission whose prompt tokens kvmetrics records (local cache, external;
+        the rest is computed): against the split vLLM keeps on the request itself
+        (``Request.prefill_stats``, set in the same admission from its own local and
+        external counts, whether or not it logs statistics, and taken at the request's
+        first output). A request vLLM holds no split for (taken already) is not
+        compared. A request whose split differs counts 1 under ``prompt_tokens``."""
+        stats = request.prefill_stats
+        if stats is None:
+            return
+        theirs = (int(stats.num_local_cached_tokens), int(stats.num_external_cached_tokens))
+        if (local, external) != theirs:
+            events.count(cat.SELF_CHECK_FAILURES, 1, PROMPT_TOKENS_CHECK)
+            self.log_once(PROMPT_TOKENS_CHECK, (local, external), theirs)
+
     def compare(self, events: StepEvents, check: str, ours: float, theirs: float) -> None:
         """Count (and log once) a figure of kvmetrics that differs from vLLM's."""
         if ours == theirs:
@@ -134,6 +166,10 @@ class SelfChecks:
         # A check of events (not of a state) counts each event it found missing.
         events.count(cat.SELF_CHECK_FAILURES, abs(theirs - ours) if check in _EVENT_CHECKS
                      else 1, check)
+        self.log_once(check, ours, theirs)
+
+    def log_once(self, check: str, ours: object, theirs: object) -> None:
+        """Log a check's first failure, with both figures."""
         if check not in self.logged:
             self.logged.add(check)
             log.warning("kvmetrics self-check %s failed: kvmetrics derives %s from vLLM's "

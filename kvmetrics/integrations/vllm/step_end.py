@@ -204,7 +204,7 @@ class StepEnd:
             return  # the gauges are off: reported once, gauges absent
         me: Any = self
         step = kv.step
-        events.gauges = kv.self_checks.gauges(me, kv.holding_attr, step, events)
+        events.gauges = kv.self_checks.gauges(me, kv.holding_attr, events)
         if periodic and FREE_HOOK not in kv.off:
             tracked: Any = kv.requests
             live = me.requests
