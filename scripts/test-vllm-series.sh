@@ -7,8 +7,8 @@
 # For each version: fetch the release's sdist from PyPI (pinned, sha256 checked,
 # cached in .vllm-src/), apply the series to a copy of it (docs/vllm-patches/*.patch
 # on 0.34.0, the backport docs/vllm-patches/0.33.0/*.patch on 0.33.0), lay the
-# patched scheduler over a copy of the installed vLLM of that version, and run
-# vLLM's tests/v1/kv_connector/unit and tests/v1/core three times:
+# patched files over a copy of the installed vLLM of that version, and run vLLM's
+# tests/v1/kv_connector/unit, tests/v1/core and tests/v1/metrics three times:
 #   stock    the release's tests on the release as installed
 #   patched  the patched tests on the patched scheduler
 #   repro    the reproductions the series adds (its "Reproduces:" lines), on the
@@ -22,6 +22,10 @@
 # more summary line per patch: "all" for every patch of the series, or the patch
 # numbers (0004, or 0003,0004). The stock run is shared; each patch adds a patched
 # and a repro run.
+#
+# Separate pull requests (SEPARATE below: 0005, the KV-load failure metrics) fix none
+# of the defects and touch the recovery functions the fixes rewrite: they are never
+# stacked on the series; the full mode always checks each alone.
 #
 # --ci runs a stated subset instead of the two directories (about 5 minutes for both
 # versions instead of 17), for the series together only: the two test files the
@@ -43,6 +47,9 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 CACHE=$REPO/.vllm-src
+# Patch numbers of the separate pull requests (SEPARATE in
+# kvmetrics/integrations/vllm_lab/series.py names the same files).
+SEPARATE=(0005)
 
 usage_error() {
   echo "test-vllm-series.sh: $1 (usage: [--ci] [--alone all|NNNN[,NNNN...]] [VERSION...])" >&2
@@ -130,6 +137,10 @@ run_pytest() {  # run_pytest TREE VLLM_PATH JUNIT ARGS...
   [ -s "$junit" ] || { echo "pytest wrote no report, see $junit.log" >&2; return 1; }
 }
 
+is_separate() {
+  [[ " ${SEPARATE[*]} " == *" $(basename "$1" | cut -c1-4) "* ]]
+}
+
 # The patch files that --alone names for this version, one a line.
 alone_patches() {
   local series; series=$(series_dir "$1")
@@ -203,10 +214,19 @@ check_version() {
   local version=$1 started=$SECONDS status=0
   local series; series=$(series_dir "$version")
   sdist_url "$version" > /dev/null || { echo "no pinned sdist for vLLM $version" >&2; return 1; }
-  local patches=("$series"/[0-9][0-9][0-9][0-9]-*.patch)
-  [ -f "${patches[0]}" ] || { echo "no series for vLLM $version in $series" >&2; return 1; }
+  local patches=() patch
+  for patch in "$series"/[0-9][0-9][0-9][0-9]-*.patch; do
+    if [ -f "$patch" ] && ! is_separate "$patch"; then patches+=("$patch"); fi
+  done
+  [ ${#patches[@]} -gt 0 ] || { echo "no series for vLLM $version in $series" >&2; return 1; }
   local singles=()
   if [ -n "$alone" ]; then mapfile -t singles < <(alone_patches "$version"); fi
+  if [ "$mode" = full ]; then
+    for patch in "$series"/[0-9][0-9][0-9][0-9]-*.patch; do
+      if [ -f "$patch" ] && is_separate "$patch" &&
+         [[ " ${singles[*]} " != *" $patch "* ]]; then singles+=("$patch"); fi
+    done
+  fi
   fetch_sdist "$version"
 
   # The installed vLLM of this version.
@@ -224,12 +244,13 @@ check_version() {
   rm -rf "$work"
   mkdir -p "$work/release" "$work/stock"
   tar -xzf "$CACHE/vllm-$version.tar.gz" -C "$work/release" --strip-components=1 \
-    "vllm-$version/vllm" "vllm-$version/tests" "vllm-$version/pyproject.toml"
+    "vllm-$version/vllm" "vllm-$version/tests" "vllm-$version/pyproject.toml" \
+    "vllm-$version/docs/design"
   # The release's tests, never modified: hard links where the filesystem allows.
   cp -al "$work/release/tests" "$work/release/pyproject.toml" "$work/stock/" 2>/dev/null ||
     cp -r "$work/release/tests" "$work/release/pyproject.toml" "$work/stock/"
 
-  local targets=(tests/v1/kv_connector/unit tests/v1/core)
+  local targets=(tests/v1/kv_connector/unit tests/v1/core tests/v1/metrics)
   if [ "$mode" = ci ]; then
     targets=(tests/v1/kv_connector/unit/test_kv_load_failure_recovery.py
              tests/v1/kv_connector/unit/test_invalid_blocks_correctness.py
@@ -248,7 +269,7 @@ check_version() {
   run_pytest "$work/stock" "$overlay" "$work/stock.xml" "${targets[@]}"
   check_patches "$version" series "${#patches[@]} patches" "$installed" "$overlay" \
     "${patches[@]}" || status=1
-  local patch number
+  local number
   for patch in "${singles[@]}"; do
     number=$(basename "$patch" | cut -c1-4)
     check_patches "$version" "$number-alone" "$number alone" "$installed" "$overlay" \

@@ -70,3 +70,31 @@ def parameter_renamed(source: str, qualname: str, old: str, new: str) -> str:
             lines[i] = lines[i].replace(f", {old}", f", {new}", 1)
             return "".join(lines)
     raise ValueError(f"{qualname} has no parameter {old} on its first lines")
+
+
+def overlay_files(dest: Path, package_dir: Path, new_sources: dict[str, str]) -> Path:
+    """Lay out ``dest/vllm`` as the installed ``package_dir`` with every file of
+    ``new_sources`` (paths inside the package -> source) replaced; return ``dest``.
+    Directories on a replaced file's path are real, everything else links to the
+    installed files."""
+    real_dirs = {Path(*Path(rel).parts[:depth]) for rel in new_sources
+                 for depth in range(len(Path(rel).parts))}
+    replaced = {Path(rel): source for rel, source in new_sources.items()}
+
+    def lay_out(relative: Path) -> None:
+        (dest / "vllm" / relative).mkdir(parents=True, exist_ok=True)
+        for entry in (package_dir / relative).iterdir():
+            inner = relative / entry.name
+            if entry.name == "__pycache__":
+                continue
+            if inner in replaced:
+                (dest / "vllm" / inner).write_text(replaced.pop(inner), encoding="utf-8")
+            elif inner in real_dirs:
+                lay_out(inner)
+            else:
+                os.symlink(entry, dest / "vllm" / inner)
+
+    lay_out(Path())
+    if replaced:
+        raise FileNotFoundError(f"not in {package_dir}: {sorted(map(str, replaced))}")
+    return dest

@@ -63,9 +63,19 @@ def series_dir(vllm_version: str) -> Path:
     return PATCHES / "0.33.0"
 
 
+#: Pull requests of docs/vllm-patches/ that fix none of the defects: each applies to
+#: the release by itself and is reviewed alone (it touches the recovery functions the
+#: fixes rewrite, so it is not stacked on them). scripts/test-vllm-series.sh checks
+#: them alone; :func:`series` leaves them out.
+SEPARATE = ("0005-kv-load-failure-metrics.patch",)
+
+
 def series(vllm_version: str) -> list[Path]:
-    """The patch files for this vLLM version, in the order they apply."""
-    return sorted(series_dir(vllm_version).glob("[0-9][0-9][0-9][0-9]-*.patch"))
+    """The patch files of the fix series for this vLLM version, in the order they
+    apply (the separate pull requests are not part of it)."""
+    return sorted(patch for patch in
+                  series_dir(vllm_version).glob("[0-9][0-9][0-9][0-9]-*.patch")
+                  if patch.name not in SEPARATE)
 
 
 def reproduction(defect_id: str, vllm_version: str = "0.34.0") -> str:

@@ -1,0 +1,105 @@
+"""Run kvmetrics' in-process fault workloads on vLLM patched with 0005, and print
+vLLM's own KV-load failure counters next to kvmetrics' counts (one JSON object).
+
+Run by tests/test_upstream_metrics_patch.py in a fresh interpreter whose PYTHONPATH
+puts the patched vLLM first. Each scheduler step's ``SchedulerStats`` goes through
+vLLM's own ``PrometheusStatLogger`` (as the engine's frontend does), and vLLM's
+counters are read back from the Prometheus registry.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import prometheus_client
+from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+from kvmetrics.engine.faults import FaultPlan
+from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.integrations.vllm_lab import engine as engine_module
+from kvmetrics.integrations.vllm_lab.differential import (
+    random_workload,
+    run_vllm,
+    vllm_faithful,
+)
+from kvmetrics.metrics import catalogue as cat
+
+#: (load mode, policy, seed) of each workload.
+WORKLOADS = (("sync", "recompute", 0), ("sync", "fail", 1), ("async", "recompute", 2),
+             ("async", "fail", 3), ("mixed", "recompute", 4))
+#: vLLM's counter -> kvmetrics' family and the labels to sum it over.
+MAPPING: dict[str, tuple[cat.MetricSpec, dict[str, str]]] = {
+    "vllm:kv_load_failed_blocks_total": (cat.KV_LOAD_BLOCKS, {"outcome": "failed"}),
+    "vllm:kv_load_failed_requests_total": (cat.KV_LOAD_FAILED_REQUESTS, {}),
+    "vllm:kv_load_rolled_back_tokens_total": (cat.ROLLED_BACK_TOKENS, {}),
+    "vllm:kv_load_recomputed_tokens_total": (cat.RECOMPUTED_TOKENS,
+                                             {"cause": "kv_load_failure"}),
+}
+
+
+class _Exported:
+    """Every scheduler of the run hands its stats to one vLLM stat logger."""
+
+    logger: PrometheusStatLogger | None = None
+    steps_with_stats = 0
+
+
+def _export_stats(engine: Any) -> None:
+    scheduler = engine.scheduler
+    _Exported.logger = PrometheusStatLogger(scheduler.vllm_config, engine_indexes=[0])
+    update = scheduler.update_from_output
+
+    def update_and_export(*args: Any, **kwargs: Any) -> Any:
+        outputs = update(*args, **kwargs)
+        for core_outputs in outputs.values():
+            if core_outputs.scheduler_stats is not None:
+                assert _Exported.logger is not None
+                _Exported.logger.record(core_outputs.scheduler_stats, None, engine_idx=0)
+                _Exported.steps_with_stats += 1
+        return outputs
+
+    scheduler.update_from_output = update_and_export
+
+
+def _vllm_counters(policy: str) -> dict[str, float]:
+    found = dict.fromkeys(MAPPING, 0.0)
+    for metric in prometheus_client.REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name in MAPPING:
+                assert sample.labels == {"model_name": sample.labels["model_name"],
+                                         "engine": "0", "policy": policy}, sample.labels
+                found[sample.name] += sample.value
+    return found
+
+
+def main() -> None:
+    init = engine_module.VllmEngine.__init__
+
+    def init_and_export(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _export_stats(self)
+
+    engine_module.VllmEngine.__init__ = init_and_export  # type: ignore[method-assign]
+    results = {}
+    for mode, policy, seed in WORKLOADS:
+        config = vllm_faithful(SchedulerConfig(
+            block_size=16, num_gpu_blocks=1024, max_num_seqs=8, max_num_batched_tokens=128,
+            max_model_len=1024, kv_load_failure_policy=policy))  # type: ignore[arg-type]
+        _Exported.steps_with_stats = 0
+        run = run_vllm(config, random_workload(seed, 60, load_mode=mode, doc_blocks=(2, 6)),
+                       FaultPlan(rate=0.15, seed=seed))
+        totals = run.pipeline.totals
+        results[f"{mode}-{policy}"] = {
+            "steps": run.steps,
+            "steps_with_stats": _Exported.steps_with_stats,
+            "vllm": _vllm_counters(policy),
+            "kvmetrics": {name: totals.get(spec, **labels)
+                          for name, (spec, labels) in MAPPING.items()},
+        }
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
