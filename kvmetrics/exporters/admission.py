@@ -88,7 +88,7 @@ class ServerLimits:
                             getattr(cls, name))
                 continue
             chosen[name] = value
-        return cls(**chosen)  # type: ignore[arg-type]
+        return cls(**chosen)  # type: ignore[arg-type]  # _ENV_LIMITS names float fields only
 
 
 _ENV_LIMITS = {"KVMETRICS_SCRAPE_MAX_AGE_S": "page_max_age_s",

@@ -317,7 +317,7 @@ class _Handler:
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     """Until ``sock`` has bytes (or EOF) to read; nothing is read."""
     ready = loop.create_future()
-    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    loop.add_reader(sock.fileno(), lambda: None if ready.done() else ready.set_result(None))
     try:
         await ready
     finally:
@@ -344,7 +344,8 @@ async def _start_tls(loop: asyncio.AbstractEventLoop, sock: socket.socket,
     what ``connect_accepted_socket(ssl=...)`` does, with :class:`_LeanSSLProtocol`."""
     waiter = loop.create_future()
     protocol = _LeanSSLProtocol(loop, app, context, waiter, server_side=True,
-                                ssl_handshake_timeout=timeout)
+                                # arg-type: typeshed says int; asyncio takes any seconds.
+                                ssl_handshake_timeout=timeout)  # type: ignore[arg-type]
     transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
     try:
         await waiter

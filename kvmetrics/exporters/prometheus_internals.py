@@ -1,4 +1,27 @@
-"""Multiprocess files whose space is reserved before it is written: ENOSPC, not SIGBUS.
+"""The one module that uses prometheus-client's private names.
+
+prometheus-client documents no way to do the three things below, so each reaches
+into the library; nothing else in kvmetrics does. ``tests/test_prometheus_versions.py``
+runs the exporter tests that exercise this module against the lowest and the highest
+prometheus-client that pyproject.toml allows.
+
+Private names used, and why:
+
+- ``Counter._child_samples`` / ``Histogram._child_samples`` (overridden by
+  :class:`CounterWithoutCreated` and :class:`HistogramWithoutCreated`): the samples of
+  one series, so that its ``_created`` sample can be left out per metric. The public
+  ``disable_created_metrics()`` is process-wide and would change vLLM's own page too.
+- ``prometheus_client.values.MmapedDict`` (the module attribute the library reads when
+  it opens a value file, replaced by :func:`reserve_multiprocess_space`) and
+  ``MmapedDict._init_value``, ``._capacity``, ``._used``, ``._f`` (read and extended by
+  :class:`ReservedMmapedDict`): where and how large the library grows a value file,
+  so that its bytes are allocated before they are mapped (below).
+- ``prometheus_client.values.ValueClass``, ``MutexValue`` and ``MultiProcessValue``
+  (:func:`switch_to_multiprocess_values`): the value class is chosen once, at import, from
+  ``PROMETHEUS_MULTIPROC_DIR``; in a vLLM EngineCore that import happened long before
+  kvmetrics runs.
+
+Multiprocess files whose space is reserved before it is written: ENOSPC, not SIGBUS.
 
 prometheus-client keeps a process's values in ``*.db`` files it maps into memory. It
 makes a file (and later doubles it) with ``truncate``, which allocates nothing, then
@@ -22,9 +45,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterable
 
-from prometheus_client import values
+from prometheus_client import Counter, Histogram, values
 from prometheus_client.mmap_dict import MmapedDict
+from prometheus_client.samples import Sample
 
 #: The size prometheus-client gives a new file (``mmap_dict._INITIAL_MMAP_SIZE``).
 _INITIAL_SIZE = 1 << 16
@@ -92,5 +117,38 @@ def reserve_multiprocess_space() -> None:
     Files opened before (by metrics created earlier in the process) keep the library's
     class; the exporter calls this before it creates any metric.
     """
-    if values.MmapedDict is MmapedDict:
-        values.MmapedDict = ReservedMmapedDict  # type: ignore[misc]
+    # attr-defined: the library imports the class into ``values`` without exporting it.
+    if values.MmapedDict is MmapedDict:  # type: ignore[attr-defined]  # private, see above
+        values.MmapedDict = ReservedMmapedDict  # type: ignore[attr-defined]  # private
+
+
+def switch_to_multiprocess_values() -> None:
+    """Make every value this process's prometheus-client creates from now on go to the
+    files of ``PROMETHEUS_MULTIPROC_DIR`` (set it first): the library picked its value
+    class when it was first imported. Values made earlier stay in memory."""
+    if values.ValueClass is values.MutexValue:
+        values.ValueClass = values.MultiProcessValue()
+
+
+class CounterWithoutCreated(Counter):
+    """A Counter whose series have no ``_created`` sample.
+
+    prometheus-client adds a ``<counter>_created`` sample per series; it doubles the
+    page for nothing a kvmetrics dashboard or rule reads. It is left out here, per
+    metric, rather than with ``disable_created_metrics()``, which would also change
+    the pages of the host process's own metrics (vLLM's), and rather than by
+    filtering the rendered families (a copy of every family on every scrape).
+    """
+
+    def _child_samples(self) -> Iterable[Sample]:
+        samples = tuple(super()._child_samples())
+        return samples[:1]  # _total (then _created, when enabled)
+
+
+class HistogramWithoutCreated(Histogram):
+    """A Histogram whose series have no ``_created`` sample (see
+    :class:`CounterWithoutCreated`)."""
+
+    def _child_samples(self) -> Iterable[Sample]:
+        samples = tuple(super()._child_samples())
+        return samples[:-1] if samples and samples[-1].name == "_created" else samples
