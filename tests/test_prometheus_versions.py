@@ -69,4 +69,4 @@ def test_the_exporter_tests_pass_with_the_lowest_prometheus_client(version: str,
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *MODULES],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-1000:]
