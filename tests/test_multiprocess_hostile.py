@@ -126,7 +126,7 @@ def test_a_full_multiprocess_filesystem_drops_new_series_not_the_process(
 _GROW = """
 import os, sys
 from prometheus_client.mmap_dict import MmapedDict
-from kvmetrics.exporters.prometheus_internals import ReservedMmapedDict
+from kvmetrics.exporters.mmap_space import ReservedMmapedDict
 path = os.path.join(os.environ["D"], "counter_1.db")
 d = ReservedMmapedDict(path)
 written = 0

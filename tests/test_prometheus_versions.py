@@ -1,7 +1,8 @@
 """The exporter works at both ends of the prometheus-client range pyproject.toml allows.
 
-kvmetrics/exporters/prometheus_internals.py uses private names of prometheus-client
-(its module docstring lists them); CI installs one version (scripts/constraints.txt).
+kvmetrics/exporters/prometheus_internals.py and mmap_space.py use private names of
+prometheus-client (their docstrings say which); CI installs one version
+(scripts/constraints.txt).
 Here the tests that exercise those names, and the multiprocess merge that mirrors the
 library's, run again with the lowest allowed version installed into a directory put
 ahead of the environment's own on PYTHONPATH (needs a package index, as
@@ -22,9 +23,8 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The test modules that reach prometheus_internals: the per-metric ``_created`` filter,
-#: the reserved value files, the value-class switch, the merge checked against the
-#: library's own.
+#: The test modules that reach those two: the per-metric ``_created`` filter, the
+#: reserved value files, the value-class switch, the merge checked against the library's.
 MODULES = ("tests/test_exporters_prometheus.py", "tests/test_multiprocess_hostile.py")
 
 

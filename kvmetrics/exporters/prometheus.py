@@ -27,12 +27,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
+from kvmetrics.exporters.mmap_space import reserve_multiprocess_space
 from kvmetrics.exporters.multiprocess import ProcessLifetime, TolerantMultiProcessCollector
-from kvmetrics.exporters.prometheus_internals import (
-    CounterWithoutCreated,
-    HistogramWithoutCreated,
-    reserve_multiprocess_space,
-)
+from kvmetrics.exporters.prometheus_internals import CounterWithoutCreated, HistogramWithoutCreated
 from kvmetrics.metrics.catalogue import (
     ALL_METRICS,
     KV_CACHE_BLOCKS,
