@@ -55,12 +55,12 @@ def _populated_registry(engines: int, plain: bool = False) -> CollectorRegistry:
 
 @contextmanager
 def _plain_metric_classes() -> Iterator[None]:
-    saved = prometheus._Counter, prometheus._Histogram
-    prometheus._Counter, prometheus._Histogram = Counter, Histogram  # type: ignore[misc]
+    saved = prometheus.CounterWithoutCreated, prometheus.HistogramWithoutCreated
+    prometheus.CounterWithoutCreated, prometheus.HistogramWithoutCreated = Counter, Histogram
     try:
         yield
     finally:
-        prometheus._Counter, prometheus._Histogram = saved  # type: ignore[misc]
+        prometheus.CounterWithoutCreated, prometheus.HistogramWithoutCreated = saved
 
 
 def run(quick: bool = False) -> list[Row]:

@@ -109,7 +109,7 @@ fi
 if [ "$QUICK" = 0 ]; then
   echo "== in-process suite (tests/test_vllm_*.py)"
   if "$PY" -m pytest -q -p no:cacheprovider tests/test_vllm_*.py \
-      -o addopts="-m 'not slow'" | tee "$DIR/pytest.log" | tail -n 40; then
+      | tee "$DIR/pytest.log" | tail -n 40; then
     summary+=("in-process suite: passed")
   else
     summary+=("in-process suite: FAILED ($(grep -c '^FAILED' "$DIR/pytest.log") tests; list above)")

@@ -361,6 +361,25 @@ def test_pending_tls_handshakes_hold_bounded_memory(tls: TLSMaterial) -> None:
     assert grown < 40, f"{grown:.0f} MB for 400 pending handshakes"  # was ~120 MB
 
 
+def test_each_tls_connection_reads_through_the_small_buffer() -> None:
+    """kvmetrics.exporters.lean_tls relies on asyncio's private SSLProtocol: it sizes
+    each connection's read buffer by ``max_size`` and keeps the application's transport
+    in ``_app_transport``. On the Python that runs the suite, it still does."""
+    import asyncio
+
+    from kvmetrics.exporters.lean_tls import LeanSSLProtocol
+
+    loop = asyncio.new_event_loop()
+    try:
+        protocol = LeanSSLProtocol(loop, asyncio.Protocol(),
+                                   ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER),
+                                   loop.create_future(), server_side=True)
+        assert len(protocol._ssl_buffer) == 16 * 1024
+        assert hasattr(protocol, "_app_transport")
+    finally:
+        loop.close()
+
+
 def test_a_scrape_gets_through_1500_idle_connections() -> None:
     import resource
 

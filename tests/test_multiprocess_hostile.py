@@ -156,6 +156,35 @@ def test_a_file_that_cannot_grow_is_an_error_and_keeps_what_it_holds(tmp_path: P
     assert kept.split() == ["kept", written, f"{float(int(written) - 1)}"]
 
 
+_SWITCH = """
+import json, os, sys
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.mmap_dict import MmapedDict
+from kvmetrics.exporters.prometheus_internals import switch_to_multiprocess_values
+before = Counter("made_before", "in memory", registry=CollectorRegistry())
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+switch_to_multiprocess_values()
+after = Counter("made_after", "in the files", registry=CollectorRegistry())
+before.inc()
+after.inc(3)
+for name in sorted(os.listdir(sys.argv[1])):
+    for entry in MmapedDict.read_all_values_from_file(os.path.join(sys.argv[1], name)):
+        print(name.split("_")[0], json.loads(entry[0])[1], entry[1])
+"""
+
+
+def test_values_made_after_the_switch_go_to_the_shared_files(tmp_path: Path) -> None:
+    """prometheus-client picks its value class once, at import: a process that imported
+    it before the directory was set (a vLLM EngineCore) writes to the files only after
+    the switch, and only what it makes from then on."""
+    env = {k: v for k, v in _env(tmp_path).items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    done = subprocess.run([sys.executable, "-c", _SWITCH, str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "counter made_after_total 3.0" in done.stdout.splitlines(), done.stdout
+    assert "made_before" not in done.stdout
+
+
 # -- case 12: a pid no process can have ---------------------------------------------------
 
 def test_a_pid_that_overflows_os_kill_a_fifo_and_a_link_are_skipped_files(mpdir: Path) -> None:

@@ -22,7 +22,7 @@ _.__getattr__  # faults: module __getattr__, how vLLM's factory finds FaultInjec
 _.pytest_configure  # vllm_lab.pytest_cpu_env: a pytest plugin hook
 _.pytest_unconfigure  # vllm_lab.pytest_cpu_env: a pytest plugin hook
 _.VllmLabEngine  # entry point kvmetrics.lab_engines in pyproject.toml
-_.max_size  # exporters.http: asyncio's SSLProtocol reads its buffer size by this name
+_.max_size  # exporters.lean_tls: asyncio's SSLProtocol reads its buffer size by this name
 _.read_value  # mmap_space.ValueFile: prometheus-client's MmapedValue calls its file class
 
 # Called by name through a string (the recorder's guarded hook calls).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 POLICIES = ("recompute", "fail")
 ACCOUNTINGS = ("unified", "historical")
@@ -14,7 +15,7 @@ RECOVERIES = ("vllm", "evict")
 #: The async modes that go with each recovery: ``vllm`` is vLLM 0.33 as it is (its
 #: stall and its in-flight rollback included), ``evict`` the complete fix (what
 #: vLLM's scheduler does with kvmetrics' protective mode on).
-RECOVERY_MODES: dict[str, dict[str, str]] = {
+RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "vllm": {"async_admission": "vllm", "async_rollback": "vllm"},
     "evict": {"async_admission": "live", "async_rollback": "drop"},
 }

@@ -126,10 +126,10 @@ def _count_loads(sched: Scheduler, out: SchedulerOutput, result: ModelRunnerOutp
             failed = sum(1 for b in load.block_ids if b in invalid)
             events.loaded_blocks("sync", len(load.block_ids) - failed, failed)
     for rid in result.finished_recving:
-        load = sched.async_loads.pop(rid, None)
-        if load is not None:
-            failed = sum(1 for b in load.block_ids if b in invalid)
-            events.loaded_blocks("async", len(load.block_ids) - failed, failed)
+        pending = sched.async_loads.pop(rid, None)
+        if pending is not None:
+            failed = sum(1 for b in pending.block_ids if b in invalid)
+            events.loaded_blocks("async", len(pending.block_ids) - failed, failed)
 
 
 def _record_historical_prompt_tokens(request: Request, events: StepEvents) -> None:

@@ -84,7 +84,7 @@ class ServerLimits:
                 chosen[name] = settings.number(settings.BY_ENV[var], text)
             except ValueError as e:
                 log.warning("%s; using %s", e, getattr(cls, name))
-        return cls(**chosen)  # type: ignore[arg-type]
+        return cls(**chosen)  # type: ignore[arg-type]  # BY_ENV names float fields only
 
 
 _ENV_LIMITS = {"KVMETRICS_SCRAPE_MAX_AGE_S": "page_max_age_s",

@@ -27,7 +27,6 @@ import ssl
 import struct
 import threading
 import time
-from asyncio import sslproto
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from kvmetrics.exporters.admission import (
     ServerLimits,
     State,
 )
+from kvmetrics.exporters.lean_tls import start_tls
 from kvmetrics.exporters.pages import Page, PageCache, render_page, route
 from kvmetrics.metrics.logs import get_logger
 
@@ -244,7 +244,7 @@ class _Handler:
         await self.table.tls_slot(conn, deadline - time.monotonic())
         remaining = max(0.001, deadline - time.monotonic())
         transport = await asyncio.wait_for(
-            _start_tls(loop, sock, protocol, self.tls, remaining), remaining)
+            start_tls(loop, sock, protocol, self.tls, remaining), remaining)
         return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
 
     async def _serve(self, conn: Connection, reader: asyncio.StreamReader,
@@ -317,41 +317,11 @@ class _Handler:
 async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
     """Until ``sock`` has bytes (or EOF) to read; nothing is read."""
     ready = loop.create_future()
-    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    loop.add_reader(sock.fileno(), lambda: None if ready.done() else ready.set_result(None))
     try:
         await ready
     finally:
         loop.remove_reader(sock.fileno())
-
-
-class _LeanSSLProtocol(sslproto.SSLProtocol):
-    """asyncio's SSL protocol with a 16 KiB read buffer instead of 256 KiB.
-
-    The stock one allocates its buffer per connection before the handshake; with
-    glibc's adaptive mmap threshold the freed buffers stay in the heap, so a burst
-    of 1,000 handshakes left the engine process 850 MB larger for good. A TLS record
-    carries at most 16 KiB, so reads of 16 KiB lose nothing but a few loop turns on
-    pages larger than that.
-    """
-
-    max_size = 16 * 1024
-
-
-async def _start_tls(loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                     app: asyncio.Protocol, context: ssl.SSLContext,
-                     timeout: float) -> asyncio.Transport:
-    """The server side of a TLS connection on an accepted ``sock``, handshake done:
-    what ``connect_accepted_socket(ssl=...)`` does, with :class:`_LeanSSLProtocol`."""
-    waiter = loop.create_future()
-    protocol = _LeanSSLProtocol(loop, app, context, waiter, server_side=True,
-                                ssl_handshake_timeout=timeout)
-    transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
-    try:
-        await waiter
-    except BaseException:
-        transport.abort()  # at once: the caller closes the socket next
-        raise
-    return protocol._app_transport  # what loop.start_tls returns, too
 
 
 def _reset(sock: socket.socket) -> None:

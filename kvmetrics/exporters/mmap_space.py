@@ -279,4 +279,4 @@ def reserve_multiprocess_space() -> None:
     class; the exporter calls this before it creates any metric.
     """
     if values.MmapedDict is MmapedDict:
-        values.MmapedDict = ValueFile  # type: ignore[misc,assignment]
+        values.MmapedDict = ValueFile  # type: ignore[misc,assignment]  # replaced on purpose

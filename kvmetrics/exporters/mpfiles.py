@@ -203,6 +203,10 @@ def _parse_key(raw: bytes, pos: int) -> Key:
     return metric, name, tuple(sorted(labels.items())), help_text
 
 
+#: A series' label pairs, sorted by name.
+_Labels = tuple[tuple[str, str], ...]
+
+
 @dataclass
 class _Family:
     typ: str
@@ -278,8 +282,8 @@ class Merged:
         out = []
         for metric_name, family in self.families.items():
             metric = Metric(metric_name, family.help, family.typ)
-            groups: dict[tuple, dict[tuple, float]] = defaultdict(dict)
-            buckets: dict[tuple, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+            groups: dict[_Labels, dict[tuple[str, _Labels], float]] = defaultdict(dict)
+            buckets: dict[_Labels, dict[float, float]] = defaultdict(lambda: defaultdict(float))
             for (sample, labels), (value, _) in family.values.items():
                 le = next((v for k, v in labels if k == "le"), None)
                 if family.typ == "histogram" and le is not None:

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import MeterProvider
@@ -55,10 +56,13 @@ class OTelSink:
     """Implements :class:`kvmetrics.metrics.sink.MetricSink` with the OpenTelemetry SDK."""
 
     def __init__(self, meter: Meter) -> None:
-        self._instruments: dict[str, object] = {}
+        #: A Counter, Histogram or Gauge per family, as its spec's kind says (the sink
+        #: calls only what that kind has: add, record or set).
+        self._instruments: dict[str, Any] = {}
         self._labels: dict[str, tuple[str, ...]] = {}
         for spec in ALL_METRICS:
             name, unit = otel_name(spec), otel_unit(spec)
+            inst: object
             if spec.kind == "counter":
                 inst = meter.create_counter(name, unit=unit, description=spec.help)
             elif spec.kind == "histogram":
@@ -80,7 +84,7 @@ class OTelSink:
                      label_values: tuple[str, ...]) -> Callable[[float], None]:
         """The counter's ``add`` with this series' attributes built once (the SDK only
         reads them)."""
-        add: Callable[..., None] = self._instruments[spec.name].add  # type: ignore[attr-defined]
+        add: Callable[..., None] = self._instruments[spec.name].add
         return partial(add, attributes=self._attrs(spec, label_values))
 
     def set(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:

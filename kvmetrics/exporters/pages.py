@@ -231,16 +231,16 @@ class PageCache:
             snapshot = None if stale else self._snapshot
             generation = self._generation
             loop = asyncio.get_running_loop()
-            snapshot, taken, page = await loop.run_in_executor(
+            snapshot, taken, rendered = await loop.run_in_executor(
                 self.pool, self._render, snapshot, variant)
             if generation != self._generation:
-                return page  # invalidated meanwhile: this page is not kept
+                return rendered  # invalidated meanwhile: this page is not kept
             if stale:
                 self._snapshot, self._taken, self._pages = snapshot, taken, {}
                 self.collections += 1
             if len(self._pages) < MAX_CACHED_VARIANTS:
-                self._pages[variant] = page
-            return page
+                self._pages[variant] = rendered
+            return rendered
 
     def _render(self, snapshot: _Snapshot | None,
                 variant: Variant) -> tuple[_Snapshot | None, float, Page]:

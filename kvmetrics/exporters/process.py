@@ -25,9 +25,8 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
-from prometheus_client import values
-
 from kvmetrics.exporters.prometheus import TLSOptions, multiprocess_dir
+from kvmetrics.exporters.prometheus_internals import switch_to_multiprocess_values
 from kvmetrics.metrics.logs import get_logger
 
 log = get_logger("vllm.kvmetrics")
@@ -61,8 +60,7 @@ def use_multiprocess_values(directory: str) -> None:
     metrics made after this call (kvmetrics' own, made next) write to the files.
     """
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
-    if values.ValueClass is values.MutexValue:
-        values.ValueClass = values.MultiProcessValue()
+    switch_to_multiprocess_values()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,6 +28,7 @@ from prometheus_client.registry import Collector
 from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
 from kvmetrics.exporters.mmap_space import on_rewrite, reserve_multiprocess_space
 from kvmetrics.exporters.multiprocess import ProcessLifetime, TolerantMultiProcessCollector
+from kvmetrics.exporters.prometheus_internals import CounterWithoutCreated, HistogramWithoutCreated
 from kvmetrics.exporters.tls import TLSConfigError as TLSConfigError  # re-exported
 from kvmetrics.exporters.tls import TLSOptions, tls_context
 from kvmetrics.metrics.catalogue import (
@@ -51,10 +53,11 @@ DEFAULT_PORT = 9400
 #: label): the value is that process's latest write, and it goes with the process.
 #: (livesum would add a restarted engine's values to those of a process that is gone
 #: but not yet reaped, or of a second process misconfigured with the same label.)
-_MULTIPROC_GAUGE_MODE = {KV_CACHE_USAGE.name: "livemostrecent",
-                         KV_CACHE_BLOCKS.name: "livemostrecent",
-                         REQUESTS.name: "livemostrecent",
-                         "kvmetrics_build_info": "livemostrecent"}
+_MULTIPROC_GAUGE_MODE: dict[str, Literal["livemostrecent"]] = {
+    KV_CACHE_USAGE.name: "livemostrecent",
+    KV_CACHE_BLOCKS.name: "livemostrecent",
+    REQUESTS.name: "livemostrecent",
+    "kvmetrics_build_info": "livemostrecent"}
 
 
 def multiprocess_dir() -> str | None:
@@ -71,6 +74,11 @@ DEFAULT_MAX_SERIES_PER_FAMILY = 4096
 DEFAULT_MAX_ENGINES = 32
 #: The (model_name, engine) values overflow is counted under for engines past the cap.
 OTHER_ENGINE = ("_other", "_other")
+
+
+#: One labelled series: a Counter's, Gauge's or Histogram's child, as its spec's kind says
+#: (the callers call only what that kind has: inc, set or observe).
+_Series = Any
 
 
 class PrometheusSink:
@@ -112,7 +120,7 @@ class PrometheusSink:
             self._metrics[spec.name] = self._create(spec, target)
         if self._step_gauges is not None:
             registry.register(self._step_gauges)
-        self._children: dict[tuple[str, tuple[str, ...]], object] = {}
+        self._children: dict[tuple[str, tuple[str, ...]], _Series] = {}
         self._series: dict[str, int] = {}
         #: (model_name, engine) label sets with at least one admitted series.
         self._engines: set[tuple[str, ...]] = set()
@@ -120,18 +128,20 @@ class PrometheusSink:
         self.max_engines = max_engines
 
     @staticmethod
-    def _create(spec: MetricSpec, registry: CollectorRegistry | None):
+    def _create(spec: MetricSpec,
+                registry: CollectorRegistry | None) -> Counter | Gauge | Histogram:
         labels = spec.label_names
         if spec.kind == "counter":
-            return _Counter(spec.base_name, spec.help, labels, registry=registry)
+            return CounterWithoutCreated(spec.base_name, spec.help, labels, registry=registry)
         if spec.kind == "histogram":
-            return _Histogram(spec.name, spec.help, labels, registry=registry,
-                              buckets=spec.buckets)
+            return HistogramWithoutCreated(spec.name, spec.help, labels, registry=registry,
+                                           buckets=spec.buckets)
         mode = _MULTIPROC_GAUGE_MODE.get(spec.name, "livemostrecent")
         return Gauge(spec.name, spec.help, labels, registry=registry,
                      multiprocess_mode=mode)
 
-    def _child(self, spec: MetricSpec, values: tuple[str, ...], count: bool = True):
+    def _child(self, spec: MetricSpec, values: tuple[str, ...],
+               count: bool = True) -> _Series | None:
         key = (spec.name, values)
         child = self._children.get(key)
         if child is None:
@@ -202,7 +212,10 @@ class PrometheusSink:
                      label_values: tuple[str, ...]) -> Callable[[float], None] | None:
         """The series' own ``inc`` once it exists (its label lookup done once)."""
         child = self._children.get((spec.name, label_values))
-        return None if child is None else child.inc  # type: ignore[attr-defined]
+        if child is None:
+            return None
+        inc: Callable[[float], None] = child.inc
+        return inc
 
     def set(self, spec: MetricSpec, label_values: tuple[str, ...], value: float) -> None:
         child = self._child(spec, label_values)
@@ -299,29 +312,6 @@ class PrometheusSink:
 
 _STEP_GAUGES = (KV_CACHE_USAGE, KV_CACHE_BLOCKS, REQUESTS)
 _STEP_GAUGE_NAMES = frozenset(spec.name for spec in _STEP_GAUGES)
-
-
-class _Counter(Counter):
-    """A Counter whose series have no ``_created`` sample.
-
-    prometheus-client adds a ``<counter>_created`` sample per series; it doubles the
-    page for nothing a kvmetrics dashboard or rule reads. It is left out here, per
-    metric, rather than with ``disable_created_metrics()``, which would also change
-    the pages of the host process's own metrics (vLLM's), and rather than by
-    filtering the rendered families (a copy of every family on every scrape).
-    """
-
-    def _child_samples(self):  # type: ignore[no-untyped-def]
-        samples = super()._child_samples()
-        return samples[:1]  # _total (then _created, when enabled)
-
-
-class _Histogram(Histogram):
-    """A Histogram whose series have no ``_created`` sample (see :class:`_Counter`)."""
-
-    def _child_samples(self):  # type: ignore[no-untyped-def]
-        samples = super()._child_samples()
-        return samples[:-1] if samples and samples[-1].name == "_created" else samples
 
 
 class _StepGauges(Collector):

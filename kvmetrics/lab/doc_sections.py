@@ -57,10 +57,11 @@ def read_section(reference: str, docs_dir: Path = DOCS_DIR) -> DocSection | None
     if anchor is None:
         start, level = 0, 1
     else:
-        start = next((i for i, line in enumerate(lines) if _names(line, levels[i], anchor)),
+        found = next((i for i, line in enumerate(lines) if _names(line, levels[i], anchor)),
                      None)
-        if start is None:
+        if found is None:
             return None
+        start = found
         level = levels[start] or 6  # an <a id> line: up to the next heading of any level
     end = next((i for i in range(start + 1, len(lines)) if 0 < levels[i] <= level),
                len(lines))

@@ -20,7 +20,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import closing
 
 from kvmetrics.lab.config import LabConfig
@@ -134,7 +134,7 @@ def _died(task: Task, why: str) -> ScenarioOutcome:
 
 
 def _outcomes(tasks: list[Task], jobs: int,
-              on_workers: Callable[[list[int]], None] | None) -> Iterator[ScenarioOutcome]:
+              on_workers: Callable[[list[int]], None] | None) -> Generator[ScenarioOutcome]:
     if jobs <= 1 or len(tasks) <= 1:
         for task in tasks:
             yield _run_task(task)

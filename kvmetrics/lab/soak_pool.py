@@ -105,7 +105,7 @@ def run_in_workers(tasks: Sequence[T], jobs: int, run: Callable[[T], R],
             busy = {s.conn: s for s in slots if s.index is not None}
             sentinels = {s.process.sentinel: s for s in busy.values()}
             for ready in wait([*busy, *sentinels]):
-                slot = busy.get(ready) or sentinels[ready]  # type: ignore[call-overload]
+                slot = busy.get(ready) or sentinels[ready]
                 index = slot.index
                 if index is None or slot not in slots:
                     continue  # its result and its exit were both ready: handled once
@@ -155,7 +155,7 @@ def _stop(slots: list[_Slot]) -> None:
     for slot in slots:
         slot.process.join(TERMINATE_GRACE_S)
         if slot.process.is_alive():
-            os.kill(slot.process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            os.kill(slot.process.pid, signal.SIGKILL)
             slot.process.join()
         slot.conn.close()
     sys.stderr.flush()

@@ -205,7 +205,7 @@ def _rich_table(rows: list[tuple[str, str]], starred: list[str], notes: list[str
     for name, value in rows:
         table.add_row(name, Text(value))  # Text: a "[red]" in a value is not markup
     console = Console(record=True, width=120, force_terminal=True)
-    plain = {"highlight": False, "markup": False}
+    plain: dict[str, Any] = {"highlight": False, "markup": False}
     with console.capture() as capture:
         console.print(table)
         for note in starred:

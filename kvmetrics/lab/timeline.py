@@ -143,12 +143,12 @@ class TimelineSink:
         """Columnar: one list per series, one entry per bucket (series never set: omitted)."""
         buckets = list(self.buckets) + ([self._open] if self._open is not None else [])
         names = sorted({k for b in buckets for k in b.counters})
-        walls = [b.wall_s for b in buckets]
+        walls = [b.wall_s for b in buckets if b.wall_s is not None]
         return {
             "bucket_steps": self.width,
             # Only when every bucket knows its wall time (the lab loop records it).
-            **({"wall_s": [round(w, 4) for w in walls]}  # type: ignore[arg-type]
-               if walls and None not in walls else {}),
+            **({"wall_s": [round(w, 4) for w in walls]}
+               if walls and len(walls) == len(buckets) else {}),
             "first_step": [b.first_step for b in buckets],
             "last_step": [b.last_step for b in buckets],
             "counters": {n: [_num(b.counters.get(n, 0.0)) for b in buckets] for n in names},

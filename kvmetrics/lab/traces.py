@@ -54,7 +54,7 @@ def load_trace(path: str | Path, fmt: str = "kvmetrics",
     if fmt not in FORMATS:
         raise TraceError(f"unknown trace format {fmt!r} (choose from {', '.join(FORMATS)})")
     parse = _parse_kvmetrics if fmt == "kvmetrics" else _parse_mooncake
-    items = []
+    items: list[WorkItem] = []
     first_line: dict[str, int] = {}
     for lineno, record in _records(Path(path)):
         if max_requests is not None and len(items) >= max_requests:

@@ -127,13 +127,13 @@ def injected_rate(config: dict[str, Any]) -> str:
 
 def policy_text(config: dict[str, Any]) -> str:
     """The failure policy the run ran, and what it does."""
-    policy = config.get("policy")
+    policy: Any = config.get("policy")
     return f"--policy {policy}: {POLICY_WORDS.get(policy, 'an unknown policy')}"
 
 
 def recovery_text(config: dict[str, Any]) -> str:
     """The recovery path the run ran, and what it is."""
-    recovery = config.get("recovery")
+    recovery: Any = config.get("recovery")
     return f"--recovery {recovery}: {RECOVERY_WORDS.get(recovery, 'an unknown recovery')}"
 
 

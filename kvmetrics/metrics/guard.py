@@ -136,16 +136,18 @@ def _values_text(values: object) -> str:
     return "(" + ", ".join(shown) + ("," if len(values) == 1 else "") + ")"
 
 
-def _request_id(inc: object) -> object:
+def _request_id(inc: object) -> str | None:
+    """The increment's request id, or a bounded repr of whatever stands in its place."""
     try:
-        return inc.request_id  # type: ignore[attr-defined]
+        rid = getattr(inc, "request_id", None)
     except Exception:
         return None
+    return rid if rid is None or isinstance(rid, str) else short_repr(rid, MAX_VALUE_CHARS)
 
 
 def _metric_name(inc: object) -> str:
     try:
-        name = inc.spec.name  # type: ignore[attr-defined]
+        name = getattr(getattr(inc, "spec", None), "name", None)
     except Exception:
         name = None
     return name if isinstance(name, str) else "<unknown metric>"
@@ -161,10 +163,13 @@ def classify_amount(amount: object) -> tuple[float, str | None]:
     zero (``negative``).
     """
     kind = type(amount)
-    if kind is float:  # the common cases first: no ABC check, no conversion
-        value = amount  # type: ignore[assignment]
-    elif kind is int and -_EXACT_INT < amount < _EXACT_INT:  # type: ignore[operator]
-        value = float(amount)  # type: ignore[arg-type]
+    value: float
+    # The common cases first: no ABC check, no conversion. ``kind is float`` proves the
+    # type, but mypy does not narrow ``amount`` through the local (one type() call kept).
+    if kind is float:
+        value = amount  # type: ignore[assignment]  # amount is a float: kind is float
+    elif kind is int and -_EXACT_INT < amount < _EXACT_INT:  # type: ignore[operator]  # int
+        value = float(amount)  # type: ignore[arg-type]  # amount is an int: kind is int
     elif isinstance(amount, bool) or kind.__name__ == "bool_" or \
             not isinstance(amount, numbers.Real):
         return math.nan, "not_a_number"

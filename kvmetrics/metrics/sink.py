@@ -10,7 +10,12 @@ from kvmetrics.metrics.events import GaugeReadings
 
 
 class MetricSink(Protocol):
-    """Receives only guarded values; ``label_values`` include the common labels."""
+    """Receives only guarded values; ``label_values`` include the common labels.
+
+    A sink may also have ``drop_families(common, names)``: remove every series of these
+    families for one engine (``common``) from its exposition. The pipeline asks
+    ``hasattr`` (so it is no member here); a sink without it keeps their last values.
+    """
 
     def inc(self, spec: MetricSpec, label_values: tuple[str, ...], amount: float) -> None: ...
 
@@ -24,14 +29,10 @@ class MetricSink(Protocol):
         """Optional: the end-of-step gauges at once (the pipeline falls back to ``set``)."""
         ...
 
-    def drop_families(self, common: tuple[str, ...], names: frozenset[str]) -> None:
-        """Optional: remove every series of these families for one engine (``common``)
-        from the exposition; a sink without it keeps their last values."""
-        ...
-
     def bind_counter(self, spec: MetricSpec,
                      label_values: tuple[str, ...]) -> Callable[[float], None] | None:
         """Optional: a function that adds an amount to this counter series, as ``inc``
         would, valid until the family is dropped; None while the series has not been
         admitted (the pipeline keeps calling ``inc`` for it)."""
         ...
+

@@ -68,7 +68,7 @@ def forwarder(name: str, member: Any) -> Any:
     return forward
 
 
-def config_parameter(member: classmethod) -> str | None:  # type: ignore[type-arg]
+def config_parameter(member: classmethod[Any, ..., Any]) -> str | None:
     """The translatable config a classmethod takes first, or None."""
     try:
         params = list(inspect.signature(member.__func__).parameters)[1:]
@@ -78,7 +78,7 @@ def config_parameter(member: classmethod) -> str | None:  # type: ignore[type-ar
 
 
 def class_forwarder(name: str, param: str,
-                    default: Callable[..., Any] | None = None) -> classmethod:  # type: ignore[type-arg]
+                    default: Callable[..., Any] | None = None) -> classmethod[Any, ..., Any]:
     """A classmethod that asks the inner connector's class, through the wrapper
     class's ``_ask_inner_class``; ``default`` answers where the inner class lacks
     ``name`` (a vLLM older than the method)."""

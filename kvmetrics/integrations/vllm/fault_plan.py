@@ -43,7 +43,7 @@ def fail(key: str, problem: str) -> FaultConfigError:
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int | None) -> int | None:
-    value = extra.get(key, default)
+    value: object = extra.get(key, default)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):

@@ -73,7 +73,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -128,8 +128,9 @@ def _inner_vllm_config(vllm_config: Any, settings: FaultSettings) -> Any:
 def _inner_class(kv_transfer_config: Any, settings: FaultSettings) -> type[KVConnectorBase_V1]:
     """The inner connector's class, for the wrapper's transfer config (or an
     :class:`_InnerOnly`, which names the inner connector already)."""
-    inner_config = (kv_transfer_config if isinstance(kv_transfer_config, _InnerOnly)
-                    else _inner_transfer_config(kv_transfer_config, settings))
+    # A transfer config, or an _InnerOnly standing in for one: all the factory reads.
+    inner_config: Any = (kv_transfer_config if isinstance(kv_transfer_config, _InnerOnly)
+                         else _inner_transfer_config(kv_transfer_config, settings))
     try:
         cls = KVConnectorFactory.get_connector_class(inner_config)
     except Exception as e:
@@ -155,6 +156,13 @@ class FaultInjectingConnector(KVConnectorBase_V1):
     #: and, for one not registered with vLLM, its module (``inner_module_path``).
     _wrapped_name: str | None = None
     _wrapped_module: str | None = None
+
+    if TYPE_CHECKING:
+        # Forwarded to the inner connector by ``install`` below, as every base member
+        # the class does not define; spelled out for the type checker only.
+        def save_kv_layer(self, *args: Any, **kwargs: Any) -> None: ...
+
+        def wait_for_save(self) -> None: ...
 
     @classmethod
     def parse(cls, extra: Any) -> FaultSettings:
@@ -411,7 +419,7 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         running slot as the synchronous load it replaces would."""
         ask = getattr(self._inner, "may_load_async", None)
         if ask is not None:
-            return ask(request)
+            return bool(ask(request))
         params = getattr(request, "kv_transfer_params", None)
         return bool(params and params.get("do_remote_prefill"))
 
@@ -432,6 +440,8 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         if hasattr(inner, "kv_cache_access"):
             return inner.kv_cache_access(inner_config)
         try:
+            # attr-defined: vLLM 0.34 added it; on the version mypy checks against, the
+            # import fails and is answered below.
             from vllm.config.kv_transfer import KVCacheAccess  # type: ignore[attr-defined]
         except ImportError:
             return None  # a vLLM without the question
@@ -472,7 +482,8 @@ def fault_injecting(inner: type[KVConnectorBase_V1]) -> type[FaultInjectingConne
         --kv-transfer-config '{"kv_connector": "FaultInjectingMyConnector",
           "kv_connector_module_path": "my_module", ...}'
     """
-    return fault_mirror.mirror_of(FaultInjectingConnector, inner)  # type: ignore[return-value]
+    mirrored = fault_mirror.mirror_of(FaultInjectingConnector, inner)
+    return cast("type[FaultInjectingConnector]", mirrored)  # a subclass of the base given
 
 
 def __getattr__(name: str) -> Any:

@@ -79,7 +79,8 @@ def vllm_version() -> str:
 
 def load(path: Path = DATA) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        recorded: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        return recorded
     except (OSError, ValueError):
         return {}
 

@@ -126,8 +126,8 @@ ATTRIBUTES: tuple[Attribute, ...] = (
     Attribute("kv_connector_output", ("finished_recving",), (cat.KV_LOAD_BLOCKS.name,)),
 )
 
-BY_NAME: dict[str, Hook | Attribute] = {
-    entry.name: entry for entry in (*HOOKS, *ATTRIBUTES)}
+_ENTRIES: tuple[Hook | Attribute, ...] = (*HOOKS, *ATTRIBUTES)
+BY_NAME: dict[str, Hook | Attribute] = {entry.name: entry for entry in _ENTRIES}
 
 
 def argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str,

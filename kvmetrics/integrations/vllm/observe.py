@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from time import thread_time_ns
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmetrics.integrations.vllm.exporting import LOGGER
 from kvmetrics.metrics.guard import CounterViolationError
@@ -97,6 +97,11 @@ class Override:
     def __init__(self, hook: str, before: Observer | None = None,
                  after: Observer | None = None, always: bool = False) -> None:
         self.hook, self.before, self.after, self.always = hook, before, after, always
+
+    if TYPE_CHECKING:
+        # What the type checker should see: at class creation the attribute becomes a
+        # function that takes vLLM's arguments, whatever the method's signature.
+        def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
     def __set_name__(self, owner: type, name: str) -> None:
         hook, before, after, always = self.hook, self.before, self.after, self.always

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmetrics.integrations.vllm import fingerprints
 from kvmetrics.integrations.vllm.exporting import LOGGER
@@ -72,11 +72,11 @@ def recovery_setting(vllm_config: Any, env: Mapping[str, str] | None = None) -> 
     if not isinstance(value, str):  # before the settings' own check: this runs first
         raise ValueError(f"kvmetrics: additional_config.kvmetrics.recovery must be a string, "
                          f"got {type(value).__name__} {short_repr(value, 40)}")
-    value = value.strip().lower() or "vllm"
-    if value not in RECOVERIES:
+    choice = value.strip().lower() or "vllm"
+    if choice not in RECOVERIES:
         raise ValueError(f"KVMETRICS_RECOVERY must be one of {', '.join(RECOVERIES)}, "
-                         f"got {short_text(value, 40)!r}")
-    return value
+                         f"got {short_text(choice, 40)!r}")
+    return choice
 
 
 def protect_decided(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -109,7 +109,13 @@ def protected_over(cls: type) -> type:
     return made
 
 
-class ProtectMixin:
+if TYPE_CHECKING:  # the mixin's super() is vLLM's scheduler: checked as such
+    from vllm.v1.core.sched.scheduler import Scheduler as _SchedulerBase
+else:
+    _SchedulerBase = object
+
+
+class ProtectMixin(_SchedulerBase):
     """The fixes, mixed into vLLM's Scheduler or AsyncScheduler (after the hooks).
 
     Only in the class when the fix is on (:func:`protected_over`): every override here
@@ -117,7 +123,7 @@ class ProtectMixin:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         me: Any = self
         self.kvmetrics_recovery = recovery_setting(me.vllm_config)
         self._protect_evict: set[int] = set()
@@ -197,7 +203,7 @@ class ProtectMixin:
         me: Any = self
         self._protect_evict = set()
         try:
-            result = super()._handle_invalid_blocks(*args, **kwargs)  # type: ignore[misc]
+            result = super()._handle_invalid_blocks(*args, **kwargs)
             # Under "fail" vLLM evicts them itself; under "recompute" it would not.
             if self._protect_evict and me.recompute_kv_load_failures:
                 me.kv_cache_manager.evict_blocks(self._protect_evict)
@@ -222,12 +228,12 @@ class ProtectMixin:
             (block_ids,) = me.kv_cache_manager.get_block_ids(request.request_id)
             self._protect_gone[request.request_id] = [request.num_in_flight_tokens,
                                                       list(block_ids)]
-        return super()._free_request(*args, **kwargs)  # type: ignore[misc]
+        return super()._free_request(*args, **kwargs)
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         # Records made while this output is processed already left its tokens out.
         recorded = list(self._protect_gone)
-        result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        result = super().update_from_output(*args, **kwargs)
         scheduled = argument(args, kwargs, 0, "scheduler_output").num_scheduled_tokens
         for rid in recorded:
             record = self._protect_gone.get(rid)
@@ -244,14 +250,14 @@ class ProtectMixin:
         request = argument(args, kwargs, 0, "request")
         emptied = (request.request_id in me.failed_recving_kv_req_ids
                    and not request.num_computed_tokens)
-        result = super()._update_waiting_for_remote_kv(*args, **kwargs)  # type: ignore[misc]
+        result = super()._update_waiting_for_remote_kv(*args, **kwargs)
         if emptied:
             me._inflight_prefills.discard(request)
             self._protect_emptied = request
         return result
 
     def _handle_blocked_waiting_request(self, *args: Any, **kwargs: Any) -> Any:
-        ready = super()._handle_blocked_waiting_request(  # type: ignore[misc]
+        ready = super()._handle_blocked_waiting_request(
             *args, **kwargs)
         request = argument(args, kwargs, 0, "request")
         if self._protect_emptied is request:

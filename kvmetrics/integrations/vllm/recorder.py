@@ -197,6 +197,7 @@ class StepRecorder:
             failed = sum(1 for b in block_ids if b in invalid)
             ev.loaded_blocks("sync", len(block_ids) - failed, failed)
             counted = True
+        load: AsyncLoad | None
         if invalid:
             for load in self.async_loads.values():
                 load.failed.update(load.block_ids & invalid)

@@ -48,7 +48,10 @@ class _RecoveryLines(logging.Handler):
                 or not record.msg.startswith(_PREFIXES):
             return
         try:
-            tally.vllms += int(record.args[0])  # type: ignore[index]
+            count = record.args[0] if isinstance(record.args, tuple) else None
+            if not isinstance(count, int | float | str):
+                raise TypeError(f"a count of type {type(count).__name__}")
+            tally.vllms += int(count)
         except Exception:
             tally.vllms = -1  # unreadable: compared, it fails (never a silent pass)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from time import perf_counter_ns
 from types import FunctionType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -108,7 +108,13 @@ def _loads_done(kv: InstrumentState, sched: Any, args: tuple[Any, ...],
                   set(getattr(kv_out, "failed_recving", None) or ()))
 
 
-class InstrumentedMixin(StepEnd, EventHooks):
+if TYPE_CHECKING:  # the mixin's super() is vLLM's scheduler: checked as such
+    _SchedulerBase = Scheduler
+else:
+    _SchedulerBase = object
+
+
+class InstrumentedMixin(StepEnd, EventHooks, _SchedulerBase):
     """The hooks; mixed into vLLM's Scheduler or AsyncScheduler.
 
     The two overrides vLLM calls on every step (``schedule``, ``update_from_output``)
@@ -129,7 +135,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
         return super().__new__(cls)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         me: Any = self
         check_setting_keys(me.vllm_config)  # a misspelt setting stops startup, on purpose
         # Set by ProtectMixin when the fix is in the class; read here otherwise.
@@ -244,10 +250,10 @@ class InstrumentedMixin(StepEnd, EventHooks):
                 own = perf_counter_ns() - t0
         except Exception:
             report_fault(self, SCHEDULE_HOOK)
-            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+            return super().schedule(*args, **kwargs)
         # The usual call without re-packing arguments; any other through super().
         out = (vllm_schedule(self) if vllm_schedule is not None
-               else super().schedule(*args, **kwargs))  # type: ignore[misc]
+               else super().schedule(*args, **kwargs))
         try:
             if sampled:
                 t0 = perf_counter_ns()
@@ -281,15 +287,15 @@ class InstrumentedMixin(StepEnd, EventHooks):
                     own += perf_counter_ns() - t0
         except Exception:
             report_fault(self, OUTPUT_HOOK)
-            result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+            result = super().update_from_output(*args, **kwargs)
             self._kv_publish_fault()
             return result
         if off:
-            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+            return super().update_from_output(*args, **kwargs)
         if vllm_update is not None:
             result = vllm_update(self, args[0], args[1])
         else:
-            result = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+            result = super().update_from_output(*args, **kwargs)
         try:
             if sampled:
                 t0 = perf_counter_ns()
@@ -308,7 +314,7 @@ class InstrumentedMixin(StepEnd, EventHooks):
 
     def shutdown(self) -> None:
         try:
-            super().shutdown()  # type: ignore[misc]
+            super().shutdown()
         finally:
             if self.kvmetrics_exporter is not None:
                 self.kvmetrics_exporter.shutdown()

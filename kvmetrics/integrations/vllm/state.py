@@ -21,13 +21,16 @@ It is turned off, its families join ``disabled`` (left off the page by the pipel
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmetrics.integrations.vllm import hooks, owncost
 from kvmetrics.integrations.vllm.exporting import LOGGER
 from kvmetrics.integrations.vllm.recorder import StepRecorder
 from kvmetrics.integrations.vllm.selfcheck import SelfChecks
 from kvmetrics.metrics.events import StepEvents
+
+if TYPE_CHECKING:
+    from kvmetrics.metrics.pipeline import MetricsPipeline
 
 log = logging.getLogger(LOGGER)
 
@@ -60,7 +63,7 @@ class InstrumentState(StepRecorder):
         #: ``update_from_output`` is off: the override only calls vLLM.
         self.output_off = False
         #: The pipeline that records the steps; None: they wait in ``ready``.
-        self.pipeline: Any = None
+        self.pipeline: MetricsPipeline | None = None
         #: kvmetrics' own CPU time not yet reported (ns, an estimate: owncost), and
         #: the total reported (``kvmetrics_instrumentation_cpu_seconds_total``).
         self.cpu_ns: float = 0

@@ -140,7 +140,9 @@ def build_vllm_config(
             kv_connector=connector.name,
             kv_connector_module_path=connector.module_path,
             kv_role="kv_both",
-            kv_load_failure_policy=config.kv_load_failure_policy,
+            # arg-type: vLLM asks for the literal; the reference config holds one of the
+            # same names (engine.config.POLICIES), checked when it is made.
+            kv_load_failure_policy=config.kv_load_failure_policy,  # type: ignore[arg-type]
             kv_connector_extra_config=dict(connector.extra),
         )
     with cpu_config_context():

@@ -83,11 +83,13 @@ def cpu_config_context() -> Iterator[None]:
         finally:
             triton_utils.HAS_TRITON = saved
 
-    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+    # method-assign, assignment: the lab's patch of vLLM's platform, undone below.
+    platform_cls.check_and_update_config = classmethod(  # type: ignore[method-assign,assignment]
+        check_and_update_config)
     try:
         yield
     finally:
-        platform_cls.check_and_update_config = original
+        platform_cls.check_and_update_config = original  # type: ignore[method-assign]  # undoes the patch
 
 
 def runner_output(**fields: Any) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kvmetrics.engine.config import RECOVERY_MODES
 from kvmetrics.engine.connector import StoreConnector
@@ -165,7 +166,7 @@ def run_reference(config: SchedulerConfig, workload: Workload, faults: FaultPlan
 
 
 def run_vllm(config: SchedulerConfig, workload: Workload, faults: FaultPlan,
-             max_steps: int = 100_000, **engine_kwargs: object) -> RunResult:
+             max_steps: int = 100_000, **engine_kwargs: Any) -> RunResult:
     from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 
     store = ExternalStoreIndex(workload.store_blocks)
@@ -173,7 +174,7 @@ def run_vllm(config: SchedulerConfig, workload: Workload, faults: FaultPlan,
     engine = VllmEngine(config, _runner(workload, faults, store), store=store,
                         load_mode=workload.load_mode, pipeline=pipeline,
                         recovery=vllm_recovery(config),
-                        **engine_kwargs)  # type: ignore[arg-type]
+                        **engine_kwargs)
     for tokens in workload.warm:
         for h in engine.block_hashes(list(tokens)):
             store.insert(h)

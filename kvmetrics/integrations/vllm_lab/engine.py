@@ -81,7 +81,8 @@ class VllmEngine:
                 extra={"store_key": self._store_key, "load_mode": load_mode, "seed": seed})
         if scheduler_cls == INSTRUMENTED:
             scheduler_cls = builder.instrumented_cls(config)
-        settings = {"export": False} if kvmetrics_settings is None else dict(kvmetrics_settings)
+        settings: dict[str, object] = ({"export": False} if kvmetrics_settings is None
+                                       else dict(kvmetrics_settings))
         if recovery != "vllm":
             settings["recovery"] = recovery
         self.scheduler = builder.build_scheduler(

@@ -41,7 +41,10 @@ class VllmLabEngine:
                                  recovery=cfg.recovery)
 
     def _prompt(self, request_id: str, start: int, end: int) -> list[int]:
-        return list(self.engine.requests[request_id].prompt_token_ids[start:end])
+        tokens = self.engine.requests[request_id].prompt_token_ids
+        if tokens is None:
+            raise ValueError(f"request {request_id!r} has no prompt token ids")
+        return list(tokens[start:end])
 
     def add(self, item: WorkItem, max_tokens: int | None) -> None:
         self.engine.add_request(make_request(item, max_tokens))

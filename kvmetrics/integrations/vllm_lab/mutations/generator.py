@@ -18,6 +18,7 @@ import importlib.util
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 OPERATORS = ("rename_attribute", "rename_method", "add_parameter", "bypass_hook",
              "drop_call", "skip_increment", "off_by_one", "add_queue")
@@ -201,7 +202,9 @@ def _counted_nodes(mod: _Module, tree: ast.Module) -> Iterator[tuple[str, ast.Fu
         yield qualname, functions[qualname]
 
 
-Edit = Callable[[ast.Module], None]
+#: Edits a fresh copy of the module's tree in place (lambdas with their site bound as
+#: defaults, hence the open parameter list).
+Edit = Callable[..., object]
 
 
 def sites(mod: _Module) -> Iterator[tuple[str, str, Edit]]:
@@ -223,7 +226,7 @@ def sites(mod: _Module) -> Iterator[tuple[str, str, Edit]]:
                       ("off_by_one", ast.AugAssign), ("bypass_hook", ast.Call),
                       ("add_queue", ast.Call)):
         for qualname, fn in _counted_nodes(mod, mod.tree):
-            found = [n for n in ast.walk(fn) if isinstance(n, kinds)]
+            found: list[Any] = [n for n in ast.walk(fn) if isinstance(n, kinds)]
             for index, node in enumerate(found):
                 if op == "drop_call" and not isinstance(node.value, ast.Call):
                     continue
@@ -266,7 +269,7 @@ class _Replace(ast.NodeTransformer):
 
 def _edit_node(tree: ast.Module, qualname: str, index: int, op: str, kinds: type) -> None:
     fn = _functions(tree)[qualname]
-    node = [n for n in ast.walk(fn) if isinstance(n, kinds)][index]
+    node: Any = [n for n in ast.walk(fn) if isinstance(n, kinds)][index]
     new: ast.AST
     if op in ("drop_call", "skip_increment"):
         new = ast.Pass()

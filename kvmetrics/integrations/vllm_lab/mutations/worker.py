@@ -35,7 +35,7 @@ _RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) res
 def overlay(module: str, folder: str) -> None:
     """Make ``module`` load from ``folder`` (which holds ``<leaf>.py``) instead."""
     package = importlib.import_module(module.rpartition(".")[0])
-    package.__path__.insert(0, folder)  # type: ignore[attr-defined]
+    package.__path__.insert(0, folder)
 
 
 class _RecoveryLog(logging.Handler):
@@ -157,8 +157,9 @@ def plant(which: str) -> None:
                   turn_off: bool = True) -> None:
             raise RuntimeError(f"planted: unguarded {hook}: {problem}")
 
-        state.InstrumentState.fault = fault  # type: ignore[method-assign]
+        state.InstrumentState.fault = fault  # type: ignore[method-assign]  # the planted defect
     elif which == "no_crosscheck":
+        # method-assign: the planted defect, in the worker's own copy of the class.
         selfcheck.SelfChecks.compare = lambda *args: None  # type: ignore[method-assign]
         fingerprints.check_safely = lambda: fingerprints.Verification(
             fingerprints.vllm_version(), True, protect_verified=True)
