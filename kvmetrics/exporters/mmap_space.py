@@ -165,7 +165,7 @@ class ValueFile:
 
     def _take_dirty(self) -> list[str]:
         """Pop the dirty keys and pack their latest values into the image (lock held)."""
-        keys = []
+        keys: list[str] = []
         pop, values, positions, image = self._dirty.pop, self._values, self._positions, \
             self._image
         while True:

@@ -162,7 +162,7 @@ def parse_entries(data: bytes, keys: dict[bytes, Key], max_entries: int | None =
     that does not fit or whose key is not prometheus-client's JSON, OverBudget past
     ``max_entries`` entries or the ``deadline`` (``time.monotonic()``). ``keys`` caches
     parsed keys across files and scrapes (the same few hundred keys recur)."""
-    out = []
+    out: list[Entry] = []
     pos, used = 8, len(data)
     while pos < used:
         if len(out) % _CLOCK_EVERY == 0 and len(out):

@@ -25,8 +25,9 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
-from kvmetrics.exporters.prometheus import TLSOptions, multiprocess_dir
+from kvmetrics.exporters.prometheus import multiprocess_dir
 from kvmetrics.exporters.prometheus_internals import switch_to_multiprocess_values
+from kvmetrics.exporters.tls import TLSOptions
 from kvmetrics.metrics.logs import get_logger
 
 log = get_logger("vllm.kvmetrics")

@@ -26,11 +26,12 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmetrics.exporters.http import HTTPEndpoint, ServerLimits, start_endpoint
-from kvmetrics.exporters.mmap_space import on_rewrite, reserve_multiprocess_space
+from kvmetrics.exporters.mmap_space import reserve_multiprocess_space
 from kvmetrics.exporters.multiprocess import ProcessLifetime, TolerantMultiProcessCollector
 from kvmetrics.exporters.prometheus_internals import CounterWithoutCreated, HistogramWithoutCreated
 from kvmetrics.exporters.tls import TLSConfigError as TLSConfigError  # re-exported
 from kvmetrics.exporters.tls import TLSOptions, tls_context
+from kvmetrics.exporters.value_watcher import on_rewrite
 from kvmetrics.metrics.catalogue import (
     ALL_METRICS,
     KV_CACHE_BLOCKS,

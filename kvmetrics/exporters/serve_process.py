@@ -30,7 +30,8 @@ import sys
 from prometheus_client import CollectorRegistry
 
 from kvmetrics.exporters.multiprocess import TolerantMultiProcessCollector
-from kvmetrics.exporters.prometheus import TLSConfigError, TLSOptions, serve
+from kvmetrics.exporters.prometheus import serve
+from kvmetrics.exporters.tls import TLSConfigError, TLSOptions
 
 _PR_SET_PDEATHSIG = 1
 #: How long a SIGTERM waits to learn whether the engine is gone too.

@@ -50,7 +50,7 @@ def on_rewrite(listener: Callable[[str, str], None]) -> None:
     deleted, replaced, truncated, overwritten, or directory_recreated). It runs on the
     watcher's thread."""
     if hasattr(listener, "__self__"):
-        _listeners.append(weakref.WeakMethod(listener))  # type: ignore[arg-type]
+        _listeners.append(weakref.WeakMethod(listener))
     else:
         _listeners.append(lambda: listener)
 

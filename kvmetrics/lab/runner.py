@@ -15,10 +15,10 @@ from kvmetrics.engine.faults import FaultPlan, FaultPlanError
 from kvmetrics.exporters.prometheus import (
     MetricsServer,
     PrometheusSink,
-    TLSOptions,
     parse_host_port,
     serve,
 )
+from kvmetrics.exporters.tls import TLSOptions
 from kvmetrics.instrument.wrapper import InstrumentedEngine
 from kvmetrics.kv_errors import is_verification_error
 from kvmetrics.lab import synthetic

@@ -51,12 +51,11 @@ from kvmetrics.exporters.process import ServeFailed, ServeProcess, start_serve_p
 from kvmetrics.exporters.prometheus import (
     MetricsServer,
     PrometheusSink,
-    TLSOptions,
     multiprocess_dir,
     parse_host_port,
     serve,
-    tls_context,
 )
+from kvmetrics.exporters.tls import TLSOptions, tls_context
 from kvmetrics.metrics.files import FileRefused, write_file
 from kvmetrics.metrics.labels import check_label_value, model_label
 from kvmetrics.metrics.logs import get_logger
