@@ -132,10 +132,29 @@ class StepEnd:
 
     def _kv_end_step_timed(self, kv: InstrumentState, step: int, periodic: bool, now: int,
                            eventless: bool) -> None:
-        if eventless and self._kv_flag_missed(kv):
+        if not eventless:
+            self._kv_fill(kv, kv.take_step(step), periodic, now)
+        elif self._kv_flag_missed(kv):
             # Nothing was lost (the events are recorded now), so the hook stays on.
             kv.fault(OUTPUT_HOOK, turn_off=False)
-        events = kv.take_step(step)
+            self._kv_fill(kv, kv.take_step(step), periodic, now)
+        elif kv.evicted_n or kv.evicted_any:
+            self._kv_fill(kv, kv.take_step(step), periodic, now)
+        else:
+            # Nothing accumulated: the reading travels in the empty accumulator, which
+            # is emptied again once it is recorded (no new one is made for it).
+            events = kv.events
+            events.step = step
+            try:
+                self._kv_fill(kv, events, periodic, now)
+            finally:
+                events.increments = []
+                events.gauges = events.pool = None
+                kv.must_record = False
+
+    def _kv_fill(self, kv: InstrumentState, events: StepEvents, periodic: bool,
+                 now: int) -> None:
+        """Add the gauges (and the CPU estimate when due) to a step's events; record it."""
         try:
             self._kv_gauges(kv, events, periodic)
         except Exception:
