@@ -336,6 +336,38 @@ def test_the_cpu_estimate_waits_for_its_next_report_and_loses_nothing(
     assert sched.kvmetrics_cpu_seconds > exported * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("alone_s", [3600, 0])
+def test_the_cpu_estimate_rides_on_a_step_that_counts_something_else(
+        monkeypatch: pytest.MonkeyPatch, alone_s: float) -> None:
+    from kvmetrics.integrations.vllm import step_end
+
+    monkeypatch.setattr(step_end, "GAUGE_MIN_INTERVAL_S", 0)  # a read every 32 steps
+    monkeypatch.setattr(step_end, "CPU_REPORT_MIN_INTERVAL_S", 0)  # due at every step
+    monkeypatch.setattr(step_end, "CPU_REPORT_ALONE_S", alone_s)
+    reports = []  # per report: the other increments of its step
+    record = MetricsPipeline.record
+
+    def counting(self: MetricsPipeline, events: StepEvents) -> None:
+        if any(inc.spec is CPU for inc in events.increments):
+            reports.append(sum(inc.spec is not CPU for inc in events.increments))
+        record(self, events)
+
+    monkeypatch.setattr(MetricsPipeline, "record", counting)
+    engine = run_failing_load()
+    engine.add_request(Request("long", ExplicitTokens(PROMPT[:20]), 200))  # periodic reads
+    engine.run()
+    sched = engine.scheduler
+    exported = totals(engine)[(CPU.name, ())]
+    engine.close()
+    assert exported == pytest.approx(sched.kvmetrics_cpu_ns / 1e9) and exported > 0
+    after_first = reports[1:]
+    assert after_first and any(after_first)  # with the steps that count anyway
+    if alone_s:  # never alone once reported (the first is due at the first read)
+        assert all(after_first)
+    else:  # alone too, on the periodic reads of the long decode
+        assert not all(after_first)
+
+
 def test_the_cpu_estimate_charges_the_quiet_step_sampled_in_place(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import math

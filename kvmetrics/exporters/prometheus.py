@@ -226,6 +226,9 @@ class PrometheusSink:
     def set_gauges(self, common: tuple[str, ...], readings: GaugeReadings) -> None:
         """The end-of-step gauges of one engine (``common``: model_name, engine)."""
         gauges = self._step_gauges
+        if gauges is not None and common in gauges.latest:
+            gauges.latest[common] = readings  # an engine admitted before: one store
+            return
         if gauges is None:
             for spec, values, value in readings.samples():
                 self.set(spec, common + values, value)

@@ -71,7 +71,7 @@ class Rollback:
     computed_after: int
 
 
-@dataclass
+@dataclass(slots=True)
 class StepEvents:
     """Everything the metrics layer needs to know about one scheduler step."""
 

@@ -77,24 +77,22 @@ class MetricsPipeline:
 
     def record(self, events: StepEvents) -> None:
         """Apply one step's events. Safe to call from inside an engine loop."""
+        increments = events.increments
+        if not increments and events.pool is None and events.recovery_seconds is None \
+                and not events.rollbacks and not events.discarded_tokens:
+            # Only gauges (an engine's periodic read): nothing for the invariants, which
+            # look at increments, the pool, rollbacks and discarded tokens.
+            self._publish_gauges(events.gauges)
+            return
         step = events.step
-        for inc in events.increments:
+        for inc in increments:
             amount, violation = guard_increment(inc, step)
             if violation is None:
                 violation = self._apply(inc.spec, inc.label_values, amount, step,
                                         inc.request_id)
             if violation is not None:
                 self._violate(violation)
-        g = events.gauges
-        if g is not None and g != self._last_gauges:
-            # Decode-heavy steps rarely change these; skipping equal readings keeps
-            # the per-step cost of instrumentation near zero.
-            self._last_gauges = g
-            for sink in self.sinks:
-                if hasattr(sink, "set_gauges"):
-                    self._safely(sink, "set_gauges", self.common, g)
-                else:
-                    self._set_each(sink, g)
+        self._publish_gauges(events.gauges)
         if events.recovery_seconds is not None and cat.RECOVERY_DURATION.name not in self.absent:
             for sink in self.sinks:
                 self._safely(sink, "observe", cat.RECOVERY_DURATION, self.common,
@@ -104,6 +102,23 @@ class MetricsPipeline:
                 self._violate(violation)
 
     # -- internals --------------------------------------------------------------
+
+    def _publish_gauges(self, g: GaugeReadings | None) -> None:
+        if g is None or g == self._last_gauges:
+            # Decode-heavy steps rarely change these; skipping equal readings keeps
+            # the per-step cost of instrumentation near zero.
+            return
+        self._last_gauges = g
+        for sink in self.sinks:
+            try:  # (even looking the method up may raise, in a broken sink)
+                publish = getattr(sink, "set_gauges", None)
+                if publish is not None:
+                    publish(self.common, g)
+                    continue
+            except Exception:  # an exporter bug must never stop the engine
+                self._sink_failed(sink, "set_gauges")
+                continue
+            self._set_each(sink, g)
 
     def _announce(self) -> None:
         for sink in self.sinks:

@@ -287,7 +287,8 @@ class StepRecorder:
         """The finished step's events; a fresh accumulator starts for the next one."""
         events = self.events
         events.step = step
-        self.fold_evicted()
+        if self.evicted_n:
+            self.fold_evicted()
         if self.evicted_any:
             self.evicted_any = False
             for cause, n in self.evictions.items():

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Container, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.v1.request import RequestStatus
@@ -52,43 +51,8 @@ PREEMPTIONS_CHECK = "preemptions"
 PROMPT_TOKENS_CHECK = "prompt_tokens"
 
 
-@dataclass(frozen=True)
-class RequestCounts:
-    """Requests running and waiting (all waiting ones, remote KV included), as vLLM counts."""
-
-    running: int
-    waiting: int
-
-
-def derived_request_counts(scheduler: Any, holding_attr: str) -> RequestCounts:
-    """kvmetrics' own count, from the vLLM queues it knows (the self-check's side)."""
-    waiting = len(scheduler.waiting) + len(getattr(scheduler, holding_attr))
-    for name in EXTRA_WAITING_QUEUES:
-        waiting += len(getattr(scheduler, name, ()))
-    return RequestCounts(len(scheduler.running), waiting)
-
-
-def vllm_request_counts(scheduler: Any) -> RequestCounts | None:
-    """vLLM's own ``get_request_counts()``; None on a vLLM without it."""
-    accessor = getattr(scheduler, "get_request_counts", None)
-    if accessor is None:
-        return None
-    running, waiting = accessor()
-    return RequestCounts(int(running), int(waiting))
-
-
-def vllm_kv_cache_usage(scheduler: Any) -> float:
-    """vLLM's own ``get_kv_cache_usage()``, or the cache manager's ``usage`` it returns."""
-    accessor = getattr(scheduler, "get_kv_cache_usage", None)
-    if accessor is not None:
-        return float(accessor())
-    return float(scheduler.kv_cache_manager.usage)
-
-
-def remote_kv_waiting(scheduler: Any, holding_attr: str) -> int:
-    """Requests whose KV is still arriving (in vLLM's queue of requests holding KV)."""
-    status = RequestStatus.WAITING_FOR_REMOTE_KVS
-    return sum(1 for r in getattr(scheduler, holding_attr) if r.status == status)
+#: vLLM's status of a request whose KV is still arriving.
+_REMOTE_KV = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 class SelfChecks:
@@ -103,22 +67,40 @@ class SelfChecks:
         self.logged: set[str] = set()
 
     def gauges(self, scheduler: Any, holding_attr: str, events: StepEvents) -> GaugeReadings:
-        """The step's gauges, each read checked against vLLM's own counts."""
-        ours = derived_request_counts(scheduler, holding_attr)
-        theirs = vllm_request_counts(scheduler)
-        counts = theirs if theirs is not None else ours
-        remote = remote_kv_waiting(scheduler, holding_attr)
-        if theirs is not None:
-            self.compare(events, "requests_running", ours.running, theirs.running)
-            self.compare(events, "requests_waiting", ours.waiting, theirs.waiting)
-            if remote > theirs.waiting:
-                self.compare(events, "requests_waiting_for_remote_kv", remote, theirs.waiting)
+        """The step's gauges, each read checked against vLLM's own counts.
+
+        One function on purpose: it runs a few times a second, when its code and
+        vLLM's objects are no longer in the CPU caches, and each further call would
+        cost more than the reads it makes."""
+        holding = getattr(scheduler, holding_attr)
+        # kvmetrics' own count, from the vLLM queues it knows (the self-check's side).
+        ours_running = len(scheduler.running)
+        ours_waiting = len(scheduler.waiting) + len(holding)
+        for name in EXTRA_WAITING_QUEUES:
+            ours_waiting += len(getattr(scheduler, name, ()))
+        # Requests whose KV is still arriving: in vLLM's queue of requests holding KV.
+        remote = sum(1 for r in holding if r.status == _REMOTE_KV) if holding else 0
+        accessor = getattr(scheduler, "get_request_counts", None)
+        if accessor is None:  # a vLLM without it: kvmetrics' own count, unchecked
+            running, waiting = ours_running, ours_waiting
+        else:
+            running, waiting = accessor()
+            running, waiting = int(running), int(waiting)
+            if ours_running != running:
+                self.compare(events, "requests_running", ours_running, running)
+            if ours_waiting != waiting:
+                self.compare(events, "requests_waiting", ours_waiting, waiting)
+            if remote > waiting:
+                self.compare(events, "requests_waiting_for_remote_kv", remote, waiting)
+        # vLLM's own usage figure, or the cache manager's ``usage`` it returns.
+        usage = getattr(scheduler, "get_kv_cache_usage", None)
+        manager = scheduler.kv_cache_manager
         return GaugeReadings(
-            kv_cache_usage=vllm_kv_cache_usage(scheduler),
-            running=counts.running,
-            waiting=max(0, counts.waiting - remote),
+            kv_cache_usage=float(usage() if usage is not None else manager.usage),
+            running=running,
+            waiting=max(0, waiting - remote),
             waiting_for_remote_kv=remote,
-            cache_blocks=scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1,
+            cache_blocks=manager.block_pool.num_gpu_blocks - 1,
         )
 
     def unseen_finishes(self, events: StepEvents, tracked: Iterable[str],

@@ -49,8 +49,9 @@ class InstrumentState(StepRecorder):
     __slots__ = ("step", "next_schedule", "next_update", "output_off", "pipeline",
                  "cpu_ns", "clock_ns", "counted_cpu_ns", "off", "disabled", "newly_absent",
                  "errors", "logged", "holding_attr", "ready", "self_checks", "read_gap_ns",
-                 "read_next_ns", "cpu_report_next_ns", "audit_every", "audit_next", "charged_step",
-                 "charged_evict_calls", "samples", "cal", "recovery_tally")
+                 "read_next_ns", "cpu_report_next_ns", "cpu_alone_ns", "audit_every",
+                 "audit_next", "charged_step", "charged_evict_calls", "samples", "cal",
+                 "recovery_tally")
 
     def __init__(self, block_size: int, policy: str, has_connector: bool) -> None:
         super().__init__(block_size, policy, has_connector)
@@ -98,6 +99,9 @@ class InstrumentState(StepRecorder):
         self.read_gap_ns = 0
         #: When the CPU estimate may next be reported (step_end.CPU_REPORT_MIN_INTERVAL_S).
         self.cpu_report_next_ns = 0
+        #: How long after that a report comes without a step that counts something else
+        #: (step_end.CPU_REPORT_ALONE_S); 0 until the first report.
+        self.cpu_alone_ns = 0
         #: The recovery call running, cross-checked with vLLM's count (recovery_check).
         self.recovery_tally: Any = None
         #: Steps between two pool audits, and the first step the next one may run at.

@@ -60,11 +60,15 @@ POOL_AUDIT_BLOCKS = 8
 GAUGE_EVERY = 32
 GAUGE_MIN_INTERVAL_S = 0.25
 
-#: The CPU estimate is reported with the first periodic gauge read once this long has
-#: passed since its last report: charging it and counting it through the pipeline is
-#: about a third of a periodic step's cost, and a second's lag is far below any scrape
-#: interval. Nothing is lost in between: the estimate accumulates until reported.
+#: The CPU estimate is reported once this long has passed since its last report, with
+#: the first recorded step that counts something else: there its increment costs a few
+#: microseconds, the counting path being run anyway. Reported alone (on a periodic
+#: gauge read) it would cost about as much as the rest of that read, so it is, only
+#: once CPU_REPORT_ALONE_S has passed with no such step (a server at steady decode, no
+#: request finishing). Both lags are far below a scrape interval, and nothing is lost
+#: in between: the estimate accumulates until reported.
 CPU_REPORT_MIN_INTERVAL_S = 1.0
+CPU_REPORT_ALONE_S = 5.0
 
 class StepEnd:
     """Recording a step, and kvmetrics' own CPU estimate; part of ``InstrumentedMixin``.
@@ -128,10 +132,29 @@ class StepEnd:
 
     def _kv_end_step_timed(self, kv: InstrumentState, step: int, periodic: bool, now: int,
                            eventless: bool) -> None:
-        if eventless and self._kv_flag_missed(kv):
+        if not eventless:
+            self._kv_fill(kv, kv.take_step(step), periodic, now)
+        elif self._kv_flag_missed(kv):
             # Nothing was lost (the events are recorded now), so the hook stays on.
             kv.fault(OUTPUT_HOOK, turn_off=False)
-        events = kv.take_step(step)
+            self._kv_fill(kv, kv.take_step(step), periodic, now)
+        elif kv.evicted_n or kv.evicted_any:
+            self._kv_fill(kv, kv.take_step(step), periodic, now)
+        else:
+            # Nothing accumulated: the reading travels in the empty accumulator, which
+            # is emptied again once it is recorded (no new one is made for it).
+            events = kv.events
+            events.step = step
+            try:
+                self._kv_fill(kv, events, periodic, now)
+            finally:
+                events.increments = []
+                events.gauges = events.pool = None
+                kv.must_record = False
+
+    def _kv_fill(self, kv: InstrumentState, events: StepEvents, periodic: bool,
+                 now: int) -> None:
+        """Add the gauges (and the CPU estimate when due) to a step's events; record it."""
         try:
             self._kv_gauges(kv, events, periodic)
         except Exception:
@@ -139,8 +162,11 @@ class StepEnd:
             events.gauges = events.pool = None
         if periodic:
             kv.read_next_ns = now + kv.read_gap_ns
-        if periodic and now >= kv.cpu_report_next_ns:
+        due = kv.cpu_report_next_ns
+        if now >= due and (events.increments or (periodic and now >= due + kv.cpu_alone_ns)):
             kv.cpu_report_next_ns = now + round(CPU_REPORT_MIN_INTERVAL_S * 1e9)
+            kv.cpu_alone_ns = round(max(0.0, CPU_REPORT_ALONE_S - CPU_REPORT_MIN_INTERVAL_S)
+                                    * 1e9)
             self._kv_charge()
             # The estimate so far (this step's own part is counted with the next report).
             spent = kv.cpu_ns
@@ -209,8 +235,9 @@ class StepEnd:
             tracked: Any = kv.requests
             live = me.requests
             if type(live) is dict:
-                # The requests vLLM no longer holds, found in C; usually none.
-                tracked = tracked.keys() - live.keys()
+                # Usually every tracked request is still live: that is tested in C
+                # without building a set; the ones vLLM no longer holds only if not.
+                tracked = () if tracked.keys() <= live.keys() else tracked.keys() - live.keys()
             if tracked:
                 for rid in kv.self_checks.unseen_finishes(events, tracked, live):
                     kv.forget(rid)
