@@ -4,10 +4,10 @@ one-line refusal of a value that cannot work.
 An engine's settings come from environment variables (inherited by every EngineCore)
 and from ``--additional-config '{"kvmetrics": {...}}'`` (JSON, so any type). Each is
 checked here, by its kind, before anything uses it, because a value of the wrong
-kind fails far from where it was set: ``tls_cert: 5`` was a ``TypeError`` deep in
+kind fails far from where it was set: ``tls_cert: 5`` is a ``TypeError`` deep in
 ``ssl``, the string ``"false"`` is true to Python, ``KVMETRICS_SCRAPE_RATE=1e-300``
-served one page and then nothing, and ``KVMETRICS_SCRAPE_MAX_AGE_S=1e300`` froze the
-page for good.
+would serve one page and then nothing, and ``KVMETRICS_SCRAPE_MAX_AGE_S=1e300`` would
+freeze the page for good.
 
 The rules:
 

@@ -176,13 +176,15 @@ def _check_keys(vllm_config: Any) -> None:
 
 
 def _flag(name: str, value: Any, default: bool) -> bool:
-    """A flag as :func:`check_setting_keys` accepts it; ``default`` for one it refuses
-    (settings built without that check, as a test does, never raise here)."""
+    """A flag as :func:`check_setting_keys` accepts it; ``default`` for one it refuses,
+    with the refusal logged (settings built without that check, as a test does, never
+    raise here, and never take a default silently)."""
     if isinstance(value, str) and not value.strip():
         return default
     try:
         return flag(name, value)
-    except ValueError:
+    except ValueError as e:
+        log.warning("%s; using %s", e, default)
         return default
 
 
