@@ -2,7 +2,8 @@
 
 ``update_from_output`` is the scheduler's hot path (its per-request loop runs for
 every scheduled request of every step). On a step where no KV load failed, the
-series adds, in 0003, one truthiness check per step (``if self._finished_in_flight``)
+series adds, in 0003, two truthiness checks per step (``if self._sync_loads_in_flight
+or self._aborted_during_sync_loads``; the 0.33.0 backport: ``if self._finished_in_flight``)
 and nothing per request; 0001, 0002 and 0004 change only the failure and async-load
 admission paths. This measures it: vLLM's own scheduler and the series applied up to
 each of its patches, ``batch`` requests decoding with a KV connector configured

@@ -47,7 +47,7 @@ UPSTREAM = {
     "async-rollback-in-flight": ["vllm-project/vllm#45138", "vllm-project/vllm#45146",
                                  "vllm-project/vllm#49252", "vllm-project/vllm#53298",
                                  "vllm-project/vllm#56733"],
-    "async-sharer-in-flight": ["vllm-project/vllm#26813", "vllm-project/vllm#53298",
+    "async-sharer-in-flight": ["vllm-project/vllm#19330", "vllm-project/vllm#53298",
                                "vllm-project/vllm#56733"],
 }
 

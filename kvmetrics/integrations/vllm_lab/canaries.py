@@ -331,7 +331,7 @@ DEFECTS: tuple[Defect, ...] = (
            "async scheduling: a request admitted in the step after a sync load, with a "
            "local hit on the freshly loaded blocks, is not rolled back when a block fails "
            "and its token computed over the failed block is delivered",
-           ("vllm-project/vllm#26813", "vllm-project/vllm#53298", "vllm-project/vllm#56733"),
+           ("vllm-project/vllm#19330", "vllm-project/vllm#53298", "vllm-project/vllm#56733"),
            async_sharer_in_flight),
 )
 
