@@ -21,13 +21,14 @@ from prometheus_client import CollectorRegistry
 
 from kvmetrics.exporters.http import ServerLimits
 from kvmetrics.exporters.prometheus import MetricsServer, PrometheusSink, serve
+from kvmetrics.exporters.serve_process import CHILD_LIMITS
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement, StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
 #: Both servers that serve: the engine's own defaults (request-rate bound on) and the
 #: exporter process' (no request-rate bound).
-LIMITS = {"engine": ServerLimits(), "process": ServerLimits(max_requests_per_s=0)}
+LIMITS = {"engine": ServerLimits(), "process": CHILD_LIMITS}
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER 0: close() sends a reset
 
 

@@ -55,7 +55,7 @@ class ServerLimits:
     write_timeout_s: float = 10.0
     #: From a whole request head to its page being ready (a render in progress
     #: included); past it the answer is 503.
-    request_timeout_s: float = 5.0
+    request_timeout_s: float = 9.0
     #: Request line plus headers.
     max_header_bytes: int = 16 * 1024
     #: Threads that render pages. Renders run one at a time (concurrent cache misses
