@@ -206,3 +206,11 @@ def test_a_bad_serve_mode_stops_the_start_with_one_line() -> None:
     with pytest.raises(ValueError, match=r"^kvmetrics: serve \(KVMETRICS_SERVE\) must be one of "
                                          r"engine, process, got 'sidecar'$"):
         check_setting_keys(_Config({"serve": "sidecar"}))
+
+
+def test_the_exporter_process_is_the_default_and_engine_the_opt_out() -> None:
+    from kvmetrics.integrations.vllm.exporting import settings_for
+
+    assert settings_for(_Config({}), env={}).serve == "process"
+    assert settings_for(_Config({}), env={"KVMETRICS_SERVE": "engine"}).serve == "engine"
+    assert settings_for(_Config({"serve": "engine"}), env={}).serve == "engine"

@@ -72,7 +72,7 @@ class ServerLimits:
     linger_s: float = 1.0
     #: ... and at most how many bytes of it: a client sending megabytes after its
     #: error answer gets a reset instead of a reader.
-    max_linger_bytes: int = 64 * 1024
+    max_linger_bytes: int = 1024 * 1024
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str],

@@ -29,9 +29,10 @@ KVMETRICS_TLS_CLIENT_CA     tls_client_ca       require client certificates
                                                 signed by this CA (mutual TLS)
 KVMETRICS_METRICS_PORT_FILE -                   write the port bound there (for
                                                 port 0: any free port)
-KVMETRICS_SERVE             serve               ``engine`` (default) or ``process``:
-                                                a supervised exporter process serves
-                                                (:mod:`kvmetrics.exporters.process`)
+KVMETRICS_SERVE             serve               ``process`` (default): a supervised
+                                                exporter process serves
+                                                (:mod:`kvmetrics.exporters.process`);
+                                                ``engine``: the EngineCore serves
 ==========================  ==================  ==================================
 
 An unknown key under ``additional_config["kvmetrics"]`` stops the engine at startup
@@ -119,7 +120,7 @@ class ExportSettings:
     #: Families this vLLM cannot compute (an unusable hook): never on the page.
     absent_families: frozenset[str] = frozenset()
     #: One of :data:`SERVE_MODES` (as set: :func:`check_setting_keys` refuses others).
-    serve: str = "engine"
+    serve: str = "process"
 
 
 #: Every key ``additional_config["kvmetrics"]`` may hold.
@@ -221,7 +222,7 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
         "tls_cert": env.get("KVMETRICS_TLS_CERT") or None,
         "tls_key": env.get("KVMETRICS_TLS_KEY") or None,
         "tls_client_ca": env.get("KVMETRICS_TLS_CLIENT_CA") or None,
-        "serve": env.get("KVMETRICS_SERVE") or "engine",
+        "serve": env.get("KVMETRICS_SERVE") or "process",
     }
     extra = getattr(vllm_config, "additional_config", None)
     if isinstance(extra, dict) and isinstance(extra.get("kvmetrics"), dict):
