@@ -344,8 +344,9 @@ def run(quick: bool = False) -> list[Row]:
         median = r[len(r) // 2]
         bounded = not limits
         rows += [
-            Row(name, f"{label}: pages served per second", flood["pages_per_s"], "/s"),
-            Row(name, f"{label}: endpoint CPU per page served",
+            Row(name, f"{label}: answers per second (pages and 429s)", flood["pages_per_s"],
+                "/s"),
+            Row(name, f"{label}: endpoint CPU per answer",
                 flood["endpoint_share"] / max(flood["pages_per_s"], 1e-9) * 1e6, "us"),
             Row(name, f"{label}: endpoint threads' CPU per engine second",
                 flood["endpoint_share"] * 100, "%"),

@@ -10,7 +10,8 @@ alternates too); in each phase the engine runs the same workload back to back fo
 thread (no thread of this process touches a connection), so the verdict is the
 median per-round ratio of that thread's CPU seconds per workload run, flood / quiet,
 with its spread; the wall-time ratio is reported too (on a shared machine other load
-widens it). The 100k-series kind is a valid multiprocess file of 100,000 series
+widens it). The scraper's scrapes that start during flood phases are counted. The
+100k-series kind is a valid multiprocess file of 100,000 series
 moved into the served directory (flood on) and out again (off): every scrape's
 collection reads it. The exporter's resident memory is sampled after every flood
 phase. Run with ``python -m benchmarks.bench_endpoint --serve-process``; it switches
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import Row
-from benchmarks.floods import KINDS
+from benchmarks.floods import KINDS, SCRAPE_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 MPFILE_SERIES = 100_000
@@ -37,7 +38,7 @@ MPFILE_SERIES = 100_000
 ALL_KINDS = (*KINDS, "mpfile")
 TARGET_RATIO = 1.02
 TARGET_SUCCESS = 0.95
-ROUNDS = 4
+ROUNDS = 6
 PHASE_S = 2.5
 
 
@@ -83,10 +84,26 @@ def _end(process: subprocess.Popen[str]) -> None:
         process.wait()
 
 
-def _report(scraper: subprocess.Popen[str]) -> list[tuple[bool, float]]:
+def _report(scraper: subprocess.Popen[str]) -> list[tuple[bool, float, float]]:
     _tell(scraper, "report")
     assert scraper.stdout is not None
-    return [(bool(ok), float(took)) for ok, took in json.loads(scraper.stdout.readline())]
+    return [(bool(ok), float(took), float(started))
+            for ok, took, started in json.loads(scraper.stdout.readline())]
+
+
+def _scrapes_in(scraper: subprocess.Popen[str], windows: list[tuple[float, float]]
+                ) -> list[tuple[bool, float]]:
+    """The scraper's scrapes that started inside one of ``windows`` (flood phases), once
+    the last of them has finished (one may outlast its phase: a slow page)."""
+    done: list[tuple[bool, float, float]] = []
+    deadline = time.monotonic() + 2 * SCRAPE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        done += _report(scraper)
+        if any(started > windows[-1][1] for _, _, started in done):
+            break
+        time.sleep(0.5)
+    return [(ok, took) for ok, took, started in done
+            if any(t0 <= started <= t1 for t0, t1 in windows)]
 
 
 def _series_file(folder: Path) -> Path:
@@ -146,6 +163,7 @@ def measure(rounds: int, phase_s: float, kinds: tuple[str, ...] = ALL_KINDS
                 hostile = None if kind == "mpfile" else _client(kind, child.settings.port,
                                                                  files)
                 served = Path(plain.settings.directory) / "counter_4000000.db"
+                windows: list[tuple[float, float]] = []
                 try:
                     for i in range(rounds):
                         timed: dict[str, tuple[float, float]] = {}
@@ -156,14 +174,17 @@ def measure(rounds: int, phase_s: float, kinds: tuple[str, ...] = ALL_KINDS
                             elif parked is not None and (parked if on else served).exists():
                                 os.rename(*((parked, served) if on else (served, parked)))
                             time.sleep(0.3)  # the clients start (or finish their requests)
-                            _report(scraper)  # what came before this phase
+                            started = time.time()
                             timed[case] = _phase(sink, items, phase_s)
                             if on:
-                                results[kind].scrapes += _report(scraper)
+                                windows.append((started, time.time()))
                                 results[kind].exporter_rss_mb = max(
                                     results[kind].exporter_rss_mb, _rss_mb(child.pid or 0))
                         results[kind].wall_ratios.append(timed["flood"][0] / timed["quiet"][0])
                         results[kind].cpu_ratios.append(timed["flood"][1] / timed["quiet"][1])
+                    if hostile is not None:
+                        _tell(hostile, "0")
+                    results[kind].scrapes = _scrapes_in(scraper, windows)
                 finally:
                     if hostile is not None:
                         _end(hostile)

@@ -5,7 +5,8 @@
 closes. ``python -m benchmarks.floods scraper PORT [CA CERT KEY]`` is the scraper that
 Prometheus is: one keep-alive connection, one scrape a second, 10 s timeout,
 reconnecting when it was closed; a line ``report`` on stdin makes it print, as one
-JSON line, the outcome of every scrape since the last report.
+JSON line, every scrape finished since the last report: whether it succeeded, its
+seconds, and when it started (``time.time()``).
 
 Each runs in its own process so that neither takes GIL time from an engine measured
 in the benchmark's process.
@@ -137,12 +138,12 @@ def flood(kind: str, port: int, tls: ssl.SSLContext | None) -> None:
 
 def scraper(port: int, tls: ssl.SSLContext | None) -> None:
     lock = threading.Lock()
-    outcomes: list[tuple[bool, float]] = []
+    outcomes: list[tuple[bool, float, float]] = []
 
     def scrape_forever() -> None:
         conn: http.client.HTTPConnection | None = None
         while True:
-            started = time.monotonic()
+            started, started_at = time.monotonic(), time.time()
             ok = False
             try:
                 if conn is None:
@@ -158,7 +159,7 @@ def scraper(port: int, tls: ssl.SSLContext | None) -> None:
                 conn = None
             took = time.monotonic() - started
             with lock:
-                outcomes.append((ok, took))
+                outcomes.append((ok, took, started_at))
             time.sleep(max(0.0, 1.0 - took))
 
     threading.Thread(target=scrape_forever, daemon=True).start()
@@ -166,7 +167,7 @@ def scraper(port: int, tls: ssl.SSLContext | None) -> None:
         if line.strip() == "report":
             with lock:
                 done, outcomes[:] = list(outcomes), []
-            print(json.dumps([[ok, took] for ok, took in done]), flush=True)
+            print(json.dumps(done), flush=True)
 
 
 def _context(files: list[str]) -> ssl.SSLContext | None:
