@@ -8,8 +8,8 @@
   process of its own serving one engine's series after a real run, its request-rate
   bound off (so that what is timed is connection handling, not the bound's queue).
 - **Scrape flood:** wall time of the reference engine (scheduler, executor, metrics
-  pipeline into the served sink) in this process while its endpoint serves 8
-  keep-alive clients asking for pages back to back from another process, against
+  pipeline into the served sink) in this process while its in-engine endpoint
+  serves 8 keep-alive clients asking for pages back to back from another process, against
   the same engine with the clients paused; interleaved rounds, median of the
   per-round ratios. The flood's cost to the engine is the GIL the endpoint's threads
   hold, so the verdict is taken from CPU time, which other load on the machine
@@ -23,9 +23,10 @@
   and with 1,000 connections that each sent a ClientHello and stall; the same for
   plain HTTP with 1,000 silent connections.
 
-``python -m benchmarks.bench_endpoint`` prints the details; with ``--serve-process`` it
-runs the scrape flood against an exporter process instead
-(:mod:`benchmarks.endpoint_process`).
+The keep-alive flood is :mod:`benchmarks.floods`' (8 clients). ``python -m
+benchmarks.bench_endpoint`` prints the details; with ``--serve-process`` it runs every
+flood kind of :mod:`benchmarks.floods` against exporter processes instead, with a
+legitimate scraper (:mod:`benchmarks.endpoint_process`).
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from benchmarks.common import Row
+from benchmarks.floods import KEEPALIVE_CLIENTS
 
 SCRAPERS = 10
 IDLE = 1500
 SLOW_LORIS = 50
-FLOOD_CLIENTS = 8
+FLOOD_CLIENTS = KEEPALIVE_CLIENTS
 PENDING_TLS = 1000
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,29 +70,6 @@ print(server.port, flush=True)
 sys.stdin.read()
 server.stop()
 """
-
-_FLOOD = """
-import http.client, sys, threading
-port, clients = int(sys.argv[1]), int(sys.argv[2])
-on = threading.Event()
-
-def client():
-    conn = None
-    while True:
-        on.wait()
-        try:
-            conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            conn.request("GET", "/metrics")
-            conn.getresponse().read()
-        except (OSError, http.client.HTTPException):
-            conn = None
-
-for _ in range(clients):
-    threading.Thread(target=client, daemon=True).start()
-for line in sys.stdin:
-    on.set() if line.strip() == "1" else on.clear()
-"""
-
 
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -251,8 +230,9 @@ def measure_flood(rounds: int, requests: int, **limits: float) -> dict[str, obje
     sink = PrometheusSink(CollectorRegistry())
     items = synthetic.generate("mixed", requests, seed=1)
     server = serve(sink.serving_registry(), port=0, limits=ServerLimits(**limits))
-    flood = subprocess.Popen([sys.executable, "-c", _FLOOD, str(server.port),
-                              str(FLOOD_CLIENTS)], stdin=subprocess.PIPE, text=True)
+    flood = subprocess.Popen([sys.executable, "-m", "benchmarks.floods", "keepalive",
+                              str(server.port)], cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+                             text=True)
     assert flood.stdin is not None
     times: dict[str, list[float]] = {"quiet": [], "flood": []}
     served = 0
@@ -364,8 +344,9 @@ def run(quick: bool = False) -> list[Row]:
         median = r[len(r) // 2]
         bounded = not limits
         rows += [
-            Row(name, f"{label}: pages served per second", flood["pages_per_s"], "/s"),
-            Row(name, f"{label}: endpoint CPU per page served",
+            Row(name, f"{label}: answers per second (pages and 429s)", flood["pages_per_s"],
+                "/s"),
+            Row(name, f"{label}: endpoint CPU per answer",
                 flood["endpoint_share"] / max(flood["pages_per_s"], 1e-9) * 1e6, "us"),
             Row(name, f"{label}: endpoint threads' CPU per engine second",
                 flood["endpoint_share"] * 100, "%"),

@@ -200,7 +200,8 @@ def test_a_page_another_engine_could_not_bind_is_refused(demo: dict[str, object]
     """The issue's false pass: a second engine could not bind the first one's port, and
     its log says so. The script refuses at once, with one line."""
     with _engine_lines() as lines:
-        second = build_exporter(ExportSettings(metrics_addr=f"127.0.0.1:{demo['metrics_port']}"))
+        second = build_exporter(ExportSettings(metrics_addr=f"127.0.0.1:{demo['metrics_port']}",
+                                               serve="engine"))
     assert second.server is None and len(lines) == 1, lines
     log = _log_with(demo, lines, "shared.log")
     started = time.monotonic()
@@ -217,7 +218,8 @@ def test_a_page_that_does_not_count_the_requests_is_refused(demo: dict[str, obje
     """A real kvmetrics page on a port the log claims, but another engine's: it does not
     count the script's requests, and the script says so instead of comparing."""
     with _engine_lines() as lines:
-        other = build_exporter(ExportSettings(metrics_addr="127.0.0.1:0", model_name="tiny"))
+        other = build_exporter(ExportSettings(metrics_addr="127.0.0.1:0", model_name="tiny",
+                                              serve="engine"))
     assert other.server is not None
     port = other.server.port
     try:

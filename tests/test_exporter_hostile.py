@@ -266,13 +266,15 @@ class _Counting(Collector):
         yield CounterMetricFamily("flood_probe", "collections so far", value=self.collections)
 
 
-def _flood(port: int, clients: int, seconds: float) -> int:
+def _flood(port: int, clients: int, seconds: float, statuses: dict[int, int] | None = None
+           ) -> int:
     """``clients`` keep-alive clients asking for pages back to back for ``seconds``;
-    pages received in that time."""
+    pages received in that time (and every answer's status counted in ``statuses``)."""
     import http.client
 
     stop = time.monotonic() + seconds
     received = [0] * clients
+    seen: dict[int, int] = {} if statuses is None else statuses
 
     def client(i: int) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -280,8 +282,10 @@ def _flood(port: int, clients: int, seconds: float) -> int:
             while time.monotonic() < stop:
                 conn.request("GET", "/metrics")
                 response = conn.getresponse()
-                assert response.status == 200 and response.read()
-                received[i] += time.monotonic() < stop
+                body = response.read()
+                seen[response.status] = seen.get(response.status, 0) + 1
+                assert response.status in (200, 429) and body
+                received[i] += response.status == 200 and time.monotonic() < stop
         finally:
             conn.close()
 
@@ -321,9 +325,12 @@ def test_a_scrape_sees_values_at_most_page_age_old() -> None:
 
 
 def test_requests_are_answered_at_most_at_the_configured_rate() -> None:
+    statuses: dict[int, int] = {}
     with running(max_requests_per_s=10) as server:
-        pages = _flood(server.port, clients=8, seconds=1.0)
+        pages = _flood(server.port, clients=8, seconds=1.0, statuses=statuses)
     assert 5 <= pages <= 10 + 10 * 1.0 + 3  # the burst, then 10 a second
+    # the others were answered 429 at once, not queued (a queue answers them later)
+    assert statuses.get(429, 0) > pages
 
 
 def _client_hello() -> bytes:

@@ -50,6 +50,13 @@ class Engine:
     def port(self) -> int:
         return self.info["port"]
 
+    def more(self) -> list[list[Any]]:
+        """Run another workload in the engine; its totals after it."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("more\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
     def shutdown(self) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write("shutdown\n")
@@ -124,15 +131,38 @@ def test_the_exporter_process_serves_mutual_tls(engines: list[Engine], tmp_path:
         _page(engine.port)  # plain HTTP
 
 
+def _sums(totals: list[list[Any]]) -> dict[str, float]:
+    """The engine's own totals, summed per counter family."""
+    sums: dict[str, float] = {}
+    for name, _values, value in totals:
+        if name.endswith("_total"):
+            sums[name] = sums.get(name, 0.0) + value
+    return sums
+
+
+def _counter_sums(page: str) -> dict[str, float]:
+    """A page's kvmetrics counter samples, summed per family, zero sums left out (the
+    engine's totals hold only series that counted)."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            if s.name.startswith("kvmetrics_") and s.name.endswith("_total") and \
+                    family.type == "counter":
+                sums[s.name] = sums.get(s.name, 0.0) + s.value
+    return {name: value for name, value in sums.items() if value}
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_killed_exporter_comes_back_with_the_same_totals(engines: list[Engine],
                                                            sig: signal.Signals) -> None:
-    """SIGTERM too: the exporter alone is stopped, so the engine's files stay."""
+    """SIGTERM too: the exporter alone is stopped, so the engine's files stay. The
+    engine counts on meanwhile; the new exporter serves every count."""
     engine = Engine("process")
     engines.append(engine)
-    before = _samples(_page(engine.port))
+    assert _counter_sums(_page(engine.port)) == _sums(engine.info["totals"])
     first = engine.info["child"]
     os.kill(first, sig)
+    totals = engine.more()  # the engine counts on while its exporter is gone
     deadline = time.monotonic() + 60
     page = None
     while page is None and time.monotonic() < deadline:
@@ -143,7 +173,7 @@ def test_a_killed_exporter_comes_back_with_the_same_totals(engines: list[Engine]
             except OSError:
                 continue
     assert page is not None, "the exporter did not come back"
-    assert _samples(page) == before
+    assert _counter_sums(page) == _sums(totals) != _sums(engine.info["totals"])
     (child,) = procs.children(engine.proc.pid)
     engine.info["child"] = child
     assert engine.proc.stderr is not None
@@ -206,3 +236,11 @@ def test_a_bad_serve_mode_stops_the_start_with_one_line() -> None:
     with pytest.raises(ValueError, match=r"^kvmetrics: serve \(KVMETRICS_SERVE\) must be one of "
                                          r"engine, process, got 'sidecar'$"):
         check_setting_keys(_Config({"serve": "sidecar"}))
+
+
+def test_the_exporter_process_is_the_default_and_engine_the_opt_out() -> None:
+    from kvmetrics.integrations.vllm.exporting import settings_for
+
+    assert settings_for(_Config({}), env={}).serve == "process"
+    assert settings_for(_Config({}), env={"KVMETRICS_SERVE": "engine"}).serve == "engine"
+    assert settings_for(_Config({"serve": "engine"}), env={}).serve == "engine"

@@ -146,14 +146,14 @@ def test_rank_ports_are_bound_and_a_taken_one_is_named(
     monkeypatch.setenv("KVMETRICS_METRICS_PORT_FILE", str(port_file))
     with taken_port() as port, kvmetrics_log() as lines:
         taken = build_exporter(ExportSettings(metrics_addr=f"127.0.0.1:{port - 1}",
-                                              port_offset=1))
+                                              port_offset=1, serve="engine"))
         assert taken.server is None and not port_file.exists()
         assert f"cannot serve metrics on 127.0.0.1:{port}: Address already in use" in lines[-1]
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             free = probe.getsockname()[1]
         served = build_exporter(ExportSettings(metrics_addr=f"127.0.0.1:{free - 2}",
-                                               port_offset=2))
+                                               port_offset=2, serve="engine"))
         try:
             assert served.server is not None and served.server.port == free
             assert lines[-1] == ("INFO kvmetrics: serving metrics on "

@@ -37,7 +37,7 @@ _.written_tokens  # kv.runner.RunnerStats: compared whole (tests/test_kv_runner.
 
 # Counters in exporters/ that are written and never read: exporters/ is being
 # restructured in parallel, where each is to be exported or removed.
-_.delayed  # exporters.admission
+_.refused  # exporters.admission
 _.timed_out  # exporters.http._Stats
 _.connections  # exporters.http
 _.unavailable  # exporters.multiprocess

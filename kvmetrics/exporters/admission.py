@@ -12,9 +12,11 @@ Three bounds, each on something a client can otherwise grow without limit:
   endpoint's own has 16 KiB), so it is created only once the client has sent its
   first bytes, and for at most ``max_tls_sessions`` connections at once; the oldest
   idle one makes room for a new one.
-- **Requests.** At most ``max_requests_per_s`` requests are answered per second
-  (a token bucket, in arrival order); the others wait, holding no thread, so a
-  flood of clients costs the engine a bounded share of its GIL.
+- **Requests.** At most ``max_requests_per_s`` requests are answered with a page per
+  second (a token bucket); one over the bound is answered 429 at once, from memory.
+  Nothing waits for a turn: a queue of requests is a queue that a client can fill
+  with requests whose sender is long gone, and a scraper behind them is locked out
+  for as long as the queue takes to drain.
 
 Everything here runs on the endpoint's event loop thread: no locks.
 """
@@ -22,6 +24,7 @@ Everything here runs on the endpoint's event loop thread: no locks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 from collections.abc import Mapping
@@ -51,6 +54,9 @@ class ServerLimits:
     keepalive_timeout_s: float = 60.0
     #: Writing one answer (a client that does not read is dropped).
     write_timeout_s: float = 10.0
+    #: From a whole request head to its page being ready (a render in progress
+    #: included); past it the answer is 503.
+    request_timeout_s: float = 9.0
     #: Request line plus headers.
     max_header_bytes: int = 16 * 1024
     #: Threads that render pages. Renders run one at a time (concurrent cache misses
@@ -59,22 +65,25 @@ class ServerLimits:
     #: A page is collected at most once per this many seconds and served from memory
     #: in between: a scrape sees values at most this old. 0: every scrape collects.
     page_max_age_s: float = 1.0
-    #: Requests answered per second, all clients together (later ones wait their
-    #: turn); 0: no bound. The burst allowance is the same number.
+    #: Requests answered with a page per second, all clients together (one over the
+    #: bound gets 429 at once); 0: no bound. The burst allowance is the same number.
     max_requests_per_s: float = 20.0
     #: After an error answer (431, 400...), how long the rest of the request is read
     #: and dropped, so that the client reads the answer instead of a reset.
-    linger_s: float = 2.0
-    #: ... and at most how many bytes of it.
-    max_linger_bytes: int = 8 * 1024 * 1024
+    linger_s: float = 1.0
+    #: ... and at most how many bytes of it: a client sending megabytes after its
+    #: error answer gets a reset instead of a reader.
+    max_linger_bytes: int = 1024 * 1024
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> ServerLimits:
-        """The defaults, with the page age and request rate an operator may set for
-        every endpoint of a process tree (vLLM's EngineCores inherit them):
-        ``KVMETRICS_SCRAPE_MAX_AGE_S`` and ``KVMETRICS_SCRAPE_RATE``. A value outside
-        the setting's range (:mod:`kvmetrics.metrics.settings`) is logged (one line
-        naming the range) and the default kept here; a vLLM engine refuses it at start."""
+    def from_env(cls, environ: Mapping[str, str],
+                 base: ServerLimits | None = None) -> ServerLimits:
+        """``base`` (the defaults if None), with the page age and request rate an
+        operator may set for every endpoint of a process tree (vLLM's EngineCores
+        inherit them): ``KVMETRICS_SCRAPE_MAX_AGE_S`` and ``KVMETRICS_SCRAPE_RATE``. A
+        value outside the setting's range (:mod:`kvmetrics.metrics.settings`) is logged
+        (one line naming the range) and ``base``'s value kept here; a vLLM engine
+        refuses it at start."""
         chosen: dict[str, float] = {}
         for var, name in _ENV_LIMITS.items():
             text = environ.get(var)
@@ -83,8 +92,9 @@ class ServerLimits:
             try:
                 chosen[name] = settings.number(settings.BY_ENV[var], text)
             except ValueError as e:
-                log.warning("%s; using %s", e, getattr(cls, name))
-        return cls(**chosen)  # type: ignore[arg-type]  # BY_ENV names float fields only
+                log.warning("%s; using %s", e, getattr(base or cls, name))
+        # BY_ENV names float fields only
+        return dataclasses.replace(base or cls(), **chosen)  # type: ignore[arg-type]
 
 
 _ENV_LIMITS = {"KVMETRICS_SCRAPE_MAX_AGE_S": "page_max_age_s",
@@ -183,29 +193,25 @@ class ConnectionTable:
 
 
 class RequestRate:
-    """A token bucket of ``rate`` requests per second (``burst`` at once); callers wait
-    their turn in arrival order. ``rate <= 0``: no bound."""
+    """A token bucket of ``rate`` requests per second (``burst`` at once) that never
+    makes a caller wait: :meth:`admit` says yes or no now. ``rate <= 0``: no bound."""
 
     def __init__(self, rate: float, burst: float) -> None:
         self.rate, self.burst = rate, max(1.0, burst)
         self._tokens = self.burst
         self._last = time.monotonic()
-        self._lock = asyncio.Lock()
-        #: Requests that had to wait (a test and the benchmark read it).
-        self.delayed = 0
+        #: Requests refused for the bound (a test and the benchmark read it).
+        self.refused = 0
 
-    async def take(self) -> None:
+    def admit(self) -> bool:
+        """Whether one more request may be answered with a page now (and count it)."""
         if self.rate <= 0:
-            return
-        async with self._lock:
-            self._refill()
-            if self._tokens < 1:
-                self.delayed += 1
-                await asyncio.sleep((1 - self._tokens) / self.rate)
-                self._refill()
-            self._tokens -= 1
-
-    def _refill(self) -> None:
+            return True
         now = time.monotonic()
         self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
         self._last = now
+        if self._tokens < 1:
+            self.refused += 1
+            return False
+        self._tokens -= 1
+        return True

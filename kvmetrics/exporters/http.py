@@ -42,6 +42,7 @@ from kvmetrics.exporters.admission import (
 )
 from kvmetrics.exporters.lean_tls import start_tls
 from kvmetrics.exporters.pages import Page, PageCache, render_page, route
+from kvmetrics.exporters.request_head import BadRequest, RequestHead, parse_head
 from kvmetrics.metrics.logs import get_logger
 
 __all__ = ["HTTPEndpoint", "Page", "ServerLimits", "render_page", "start_endpoint"]
@@ -49,9 +50,13 @@ __all__ = ["HTTPEndpoint", "Page", "ServerLimits", "render_page", "start_endpoin
 log = get_logger("kvmetrics.http")
 
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 413: "Content Too Large",
+            408: "Request Timeout", 413: "Content Too Large", 429: "Too Many Requests",
             431: "Request Header Fields Too Large", 500: "Internal Server Error",
             503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+#: Over the request rate: answered at once, from memory, never queued.
+_TOO_MANY = Page(429, [("Retry-After", "1")], b"too many requests; try again in a second\n")
+#: The page was not ready in time (a render stuck or very slow).
+_NOT_READY = Page(503, [("Retry-After", "1")], b"the page is not ready; try again\n")
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -162,12 +167,6 @@ class _ThrottledLog:
         self._first = False
 
 
-class _BadRequest(Exception):
-    def __init__(self, status: int, why: str) -> None:
-        super().__init__(why)
-        self.status = status
-
-
 @dataclass
 class _Handler:
     tls: ssl.SSLContext | None
@@ -209,7 +208,7 @@ class _Handler:
         graceful = False
         try:
             reader, writer = await self._open(conn, sock)
-            graceful = await self._serve(conn, reader, writer)
+            graceful = await self._serve(conn, sock, reader, writer)
         except TimeoutError:
             self.stats.timed_out += 1
         except (OSError, ssl.SSLError, asyncio.IncompleteReadError, ConnectionError,
@@ -247,8 +246,8 @@ class _Handler:
             start_tls(loop, sock, protocol, self.tls, remaining), remaining)
         return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
 
-    async def _serve(self, conn: Connection, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> bool:
+    async def _serve(self, conn: Connection, sock: socket.socket,
+                     reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Answer requests until the connection ends; True if it ended cleanly."""
         limits = self.limits
         deadline = conn.since + limits.header_timeout_s
@@ -257,27 +256,47 @@ class _Handler:
                 # asyncio.timeout, not wait_for: no task per request (the loop thread's
                 # time per answer is GIL the engine waits for)
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                    head = await reader.readuntil(b"\r\n\r\n")
+                    raw = await reader.readuntil(b"\r\n\r\n")
             except asyncio.LimitOverrunError:
                 return await self._refuse(conn, reader, writer, 431, "request head too large")
             except asyncio.IncompleteReadError:
                 return True  # closed between requests
             self.table.enter(conn, State.BUSY)
             try:
-                method, target, version, headers = _parse_head(head)
-            except _BadRequest as e:
+                head = parse_head(raw)
+            except BadRequest as e:
                 return await self._refuse(conn, reader, writer, e.status, str(e))
-            keep_alive = _keeps_alive(version, headers)
-            await self.rate.take()
-            routed = route(method, target, headers)
-            page = routed if isinstance(routed, Page) else await self.pages.page(routed)
-            await self._answer(writer, page, keep_alive, head_only=method == "HEAD")
-            if page.status == 200 and method in ("GET", "HEAD") and self.on_page is not None:
+            if _gone(sock, writer):
+                return False  # asked and left (reset): nothing is done for it
+            page = await self._page_for(head, sock, writer)
+            if page is None:
+                return False
+            await self._answer(writer, page, head.keeps_alive, head_only=head.method == "HEAD")
+            if page.status == 200 and head.method in ("GET", "HEAD") and \
+                    self.on_page is not None:
                 self.on_page()
-            if not keep_alive:
+            if not head.keeps_alive:
                 return True
             self.table.enter(conn, State.IDLE)
             deadline = conn.since + limits.keepalive_timeout_s
+
+    async def _page_for(self, head: RequestHead, sock: socket.socket,
+                        writer: asyncio.StreamWriter) -> Page | None:
+        """What ``head`` is answered with: its page, 429 over the request rate, 503 when
+        the page is not ready within ``request_timeout_s``; None if the client left
+        meanwhile."""
+        routed = route(head.method, head.target, head.headers)
+        if isinstance(routed, Page):
+            return routed
+        if not self.rate.admit():
+            return _TOO_MANY
+        try:
+            async with asyncio.timeout(self.limits.request_timeout_s):
+                page = await self.pages.page(routed)
+        except TimeoutError:
+            self.stats.timed_out += 1
+            return _NOT_READY
+        return None if _gone(sock, writer) else page
 
     async def _refuse(self, conn: Connection, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter, status: int, why: str) -> bool:
@@ -324,37 +343,23 @@ async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Non
         loop.remove_reader(sock.fileno())
 
 
+def _gone(sock: socket.socket, writer: asyncio.StreamWriter) -> bool:
+    """Whether the client has reset the connection (or the endpoint closed it): a
+    look at the socket's error state, nothing read. A client that only half-closed
+    (sent its request, then FIN) still reads its answer and is not gone."""
+    if writer.transport.is_closing():
+        return True
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError, ssl.SSLError):
+        return False
+    except OSError:
+        return True  # reset, or closed under us
+    return False
+
+
 def _reset(sock: socket.socket) -> None:
     """Close with a reset (SO_LINGER 0): no FIN handshake, no TIME_WAIT kept here."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
-
-
-def _parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
-    """Request line and headers (names lower-cased); _BadRequest for anything off."""
-    text = head.decode("latin-1")  # decodes any byte
-    request_line, *header_lines = text[:-4].split("\r\n")
-    parts = request_line.split(" ")
-    if len(parts) != 3:
-        raise _BadRequest(400, "malformed request line")
-    method, target, version = parts
-    if version not in ("HTTP/1.0", "HTTP/1.1"):
-        raise _BadRequest(505, "only HTTP/1.0 and HTTP/1.1")
-    headers: dict[str, str] = {}
-    for line in header_lines:
-        name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
-            raise _BadRequest(400, "malformed header")
-        headers[name.lower()] = value.strip()
-    if headers.get("content-length", "0").strip() not in ("", "0") or \
-            "transfer-encoding" in headers:
-        raise _BadRequest(413, "a scrape has no request body")
-    return method, target, version, headers
-
-
-def _keeps_alive(version: str, headers: dict[str, str]) -> bool:
-    connection = headers.get("connection", "").lower()
-    if version == "HTTP/1.0":
-        return "keep-alive" in connection
-    return "close" not in connection

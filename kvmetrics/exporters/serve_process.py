@@ -29,11 +29,17 @@ import sys
 
 from prometheus_client import CollectorRegistry
 
+from kvmetrics.exporters.admission import ServerLimits
 from kvmetrics.exporters.multiprocess import TolerantMultiProcessCollector
 from kvmetrics.exporters.prometheus import serve
 from kvmetrics.exporters.tls import TLSConfigError, TLSOptions
 
 _PR_SET_PDEATHSIG = 1
+#: No request-rate bound by default: what the bound protects in the engine (the GIL
+#: its scheduler needs) is not in this process, and a bound that every client shares
+#: is one a flood exhausts, answering the scraper 429. Renders stay bounded by the
+#: page cache; ``KVMETRICS_SCRAPE_RATE`` still sets a bound when given.
+CHILD_LIMITS = ServerLimits(max_requests_per_s=0)
 #: How long a SIGTERM waits to learn whether the engine is gone too.
 _EOF_WAIT_S = 2.0
 
@@ -108,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     tls = TLSOptions(certfile=args.tls_cert, keyfile=args.tls_key,
                      client_cafile=args.tls_client_ca)
     try:
-        server = serve(registry, args.host, args.port, tls=tls if tls.enabled else None)
+        server = serve(registry, args.host, args.port, tls=tls if tls.enabled else None,
+                       limits=ServerLimits.from_env(os.environ, base=CHILD_LIMITS))
     except TLSConfigError as e:
         _report(lifeline, f"error {e}")
         return 1

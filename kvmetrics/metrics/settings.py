@@ -78,7 +78,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KVMETRICS_TLS_CLIENT_CA", "tls_client_ca", "text",
             "require client certificates signed by this CA"),
     Setting("KVMETRICS_METRICS_PORT_FILE", None, "text", "write the port bound there"),
-    Setting("KVMETRICS_SERVE", "serve", "text", "``engine`` or ``process``"),
+    Setting("KVMETRICS_SERVE", "serve", "text",
+            "``process`` (default): a supervised exporter process serves; ``engine``: "
+            "the EngineCore serves"),
     Setting("KVMETRICS_SCRAPE_MAX_AGE_S", None, "number",
             "collect the page at most once per this many seconds", 0.0, 600.0),
     Setting("KVMETRICS_SCRAPE_RATE", None, "number",

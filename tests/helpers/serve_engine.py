@@ -4,8 +4,10 @@
                      build the vLLM integration's exporter with ``serve=MODE`` on ADDR,
                      run a seeded workload through it, print one JSON line (the port,
                      the exporter process's pid, the files' directory, the totals), then
-                     wait: the line ``shutdown`` shuts the exporter down and prints
-                     ``done``; EOF exits without any shutdown (as a killed engine would).
+                     wait: the line ``more`` runs another seeded workload and prints
+                     the totals (one JSON list); ``shutdown`` shuts the exporter down and
+                     prints ``done``; EOF exits without any shutdown (as a killed engine
+                     would).
                      With CERT KEY CA it serves mutual TLS.
 """
 
@@ -28,18 +30,25 @@ def main(mode: str, addr: str, seed: int, tls_files: list[str]) -> None:
     tls = TLSOptions(*tls_files) if tls_files else None
     exporter = build_exporter(ExportSettings(metrics_addr=addr, serve=mode, strict=True,
                                              tls=tls))
-    workload = random_workload(random.Random(seed), n_requests=20, load_mode="mixed",
-                               fault_rate=0.3, policy="recompute")
-    drive(workload, rig_for(workload, exporter.pipeline))
-    mmap_space.flush()  # every value in the files before a test reads them (serve=process)
+    rng = random.Random(seed)
+
+    def run_workload() -> list[list[object]]:
+        workload = random_workload(rng, n_requests=20, load_mode="mixed", fault_rate=0.3,
+                                   policy="recompute")
+        drive(workload, rig_for(workload, exporter.pipeline))
+        mmap_space.flush()  # every value in the files before a test reads them
+        return [[name, list(values), value] for (name, values), value
+                in exporter.pipeline.totals.series().items()]
+
+    totals = run_workload()
     child = exporter.serve_process
     port = child.settings.port if child else exporter.server.port if exporter.server else None
-    totals = [[name, list(values), value] for (name, values), value
-              in exporter.pipeline.totals.series().items()]
     print(json.dumps({"port": port, "child": child.pid if child else None,
                       "dir": os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
                       "totals": totals}), flush=True)
     for line in sys.stdin:
+        if line.strip() == "more":
+            print(json.dumps(run_workload()), flush=True)
         if line.strip() == "shutdown":
             exporter.shutdown()
             print("done", flush=True)

@@ -101,7 +101,10 @@ def build_vllm_config(
     that ``max_concurrent_batches`` is 2 and a ``kv_both`` connector defers block
     frees. ``kvmetrics_settings`` lands in ``additional_config["kvmetrics"]``,
     where the instrumented scheduler reads its settings (see
-    :mod:`kvmetrics.integrations.vllm.exporting`). ``scheduler_options`` are more of
+    :mod:`kvmetrics.integrations.vllm.exporting`); ``serve`` is ``engine`` unless they say
+    otherwise, because a lab process builds many engines and the exporter process
+    switches the prometheus-client of the process that starts it to files for good.
+    ``scheduler_options`` are more of
     vLLM's own ``SchedulerConfig`` fields (e.g. 0.34's ``max_num_inflight_kv_loads``).
     """
     from vllm.config import (
@@ -152,7 +155,7 @@ def build_vllm_config(
             cache_config=cache_config,
             kv_transfer_config=kv_transfer,
             device_config=DeviceConfig("cpu"),
-            additional_config=({"kvmetrics": dict(kvmetrics_settings)}
+            additional_config=({"kvmetrics": {"serve": "engine", **kvmetrics_settings}}
                                if kvmetrics_settings is not None else {}),
         )
     vllm_config.cache_config.num_gpu_blocks = config.num_gpu_blocks
