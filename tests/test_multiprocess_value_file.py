@@ -148,3 +148,32 @@ def test_a_file_that_refuses_every_write_is_rewritten_and_counted(
     assert watcher.rewrites["unwritable"] == before + 1
     assert f.damage() is None and _on_disk(path) == {"a": 2.0}
     f.close()
+
+
+def test_no_repair_brings_a_file_back_once_the_process_is_retired(
+        tmp_path: Path, watcher: value_watcher.Watcher) -> None:
+    """A rewrite racing mark_process_dead brought back a live-gauge file removed on
+    purpose."""
+    path = tmp_path / "gauge_livesum_4246.db"
+    f = ValueFile(str(path))
+    f.write_value("g", 1.0, 0.0)
+    f.flush()
+    watcher.retire()
+    path.unlink()  # what mark_process_dead does
+    f.rewrite()  # a repair that was about to run
+    assert not path.exists()
+    f.close()
+
+
+def test_the_process_is_marked_dead_when_its_last_sink_closes(tmp_path: Path) -> None:
+    """Each sink had its own lifetime: the first of several sinks of one process to
+    close marked the pid dead and removed the others' live-gauge files."""
+    from kvmetrics.exporters.multiprocess import ProcessLifetime
+
+    gauge = tmp_path / f"gauge_livesum_{os.getpid()}.db"
+    gauge.write_bytes((8).to_bytes(4, "little") + bytes(4))
+    first, second = ProcessLifetime(str(tmp_path)), ProcessLifetime(str(tmp_path))
+    first.close()
+    assert gauge.exists()
+    second.close()
+    assert not gauge.exists()

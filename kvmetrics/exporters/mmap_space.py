@@ -281,7 +281,7 @@ class ValueFile:
         renamed over it) and write to that file from now on; OSError leaves the
         current one in use."""
         with self._lock:
-            if self._closed:
+            if self._closed or WATCHER.retired:  # a file removed on purpose stays removed
                 return
             keys = self._take_dirty()
             image, placed = self._with_unstored()
@@ -318,6 +318,11 @@ class ValueFile:
             if old >= 0:
                 with contextlib.suppress(OSError):
                     os.close(old)
+
+    def wait_for_rewrite(self) -> None:
+        """Return once no rewrite of this file is in progress."""
+        with self._lock:
+            pass
 
     def _with_unstored(self) -> tuple[bytearray, dict[str, int]]:
         """The image with the keys held in memory only appended, and their places."""

@@ -128,10 +128,20 @@ class Watcher:
         for f in list(self._files):
             f._lock = threading.Lock()
 
+    @property
+    def retired(self) -> bool:
+        return self._retired
+
     def retire(self) -> None:
-        """Stop repairing: the process has marked itself dead (its live-gauge files
-        are removed on purpose)."""
+        """Stop repairing: the process is about to mark itself dead (its live-gauge
+        files are removed on purpose). A rewrite checks the flag under its file's lock;
+        taking each lock once here waits out any rewrite already past that check, so
+        none brings a file back after this returns."""
         self._retired = True
+        with self._lock:
+            files = list(self._files)
+        for f in files:
+            f.wait_for_rewrite()
 
     def flush(self) -> None:
         """Write every value this process updated since the last round."""
