@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -177,3 +178,23 @@ def test_the_process_is_marked_dead_when_its_last_sink_closes(tmp_path: Path) ->
     assert gauge.exists()
     second.close()
     assert not gauge.exists()
+
+
+def test_a_value_overwritten_in_place_is_seen_and_rewritten(
+        tmp_path: Path, watcher: value_watcher.Watcher) -> None:
+    """Only the 4-byte header was compared: a value overwritten in place was served
+    wrong for good."""
+    path = tmp_path / "counter_4247.db"
+    f = ValueFile(str(path))
+    f.write_value("a", 1.0, 0.0)
+    f.write_value("b", 2.0, 0.0)
+    f.flush()
+    position = existing_values(path.read_bytes())["b"][0]
+    with open(path, "r+b") as planted:
+        planted.seek(position)
+        planted.write(struct.pack("d", 99.0))
+    assert _on_disk(path)["b"] == 99.0
+    assert f.damage() == "overwritten"
+    watcher.check()
+    assert f.damage() is None and _on_disk(path) == {"a": 1.0, "b": 2.0}
+    f.close()

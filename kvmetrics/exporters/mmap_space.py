@@ -270,8 +270,8 @@ class ValueFile:
                     return "replaced"
                 if own.st_size < self._capacity:
                     return "truncated"
-                if os.pread(self._fd, 4, 0) != INT.pack(self._used):
-                    return "overwritten"
+                if os.pread(self._fd, self._used, 0) != self._image:
+                    return "overwritten"  # anywhere in what was written, not only the header
             except OSError:
                 return None
             return None
