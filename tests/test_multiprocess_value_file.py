@@ -21,6 +21,11 @@ def _on_disk(path: Path) -> dict[str, float]:
     return {k: v for k, (_, v, _) in existing_values(path.read_bytes()).items()}
 
 
+def _entries(values: dict[str, float]) -> bytes:
+    body = b"".join(value_layout.entry(k, v) for k, v in values.items())
+    return value_layout.INT.pack(8 + len(body)) + bytes(4) + body
+
+
 @pytest.fixture(autouse=True)
 def watcher(monkeypatch: pytest.MonkeyPatch) -> value_watcher.Watcher:
     """A watcher of these files alone whose thread does nothing: each test runs its
@@ -59,9 +64,10 @@ def failing_writes(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
     return install
 
 
-@pytest.mark.parametrize("planted", ["fifo", "directory", "huge", "lying_header"])
+@pytest.mark.parametrize("planted", ["fifo", "directory", "huge", "lying_header",
+                                     "foreign"])
 def test_what_is_planted_at_the_files_name_is_replaced_not_used(
-        tmp_path: Path, planted: str) -> None:
+        tmp_path: Path, planted: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A FIFO or a directory there made metric creation raise; a huge file there was
     allocated whole and read into memory; a header claiming more than the file holds
     was read past its end."""
@@ -73,8 +79,12 @@ def test_what_is_planted_at_the_files_name_is_replaced_not_used(
     elif planted == "huge":
         with open(path, "wb") as f:
             f.truncate(value_layout.MAX_REUSED_SIZE + 4096)  # sparse: no real blocks
-    else:
+    elif planted == "lying_header":
         path.write_bytes((1 << 30).to_bytes(4, "little") + bytes(4) + b"x" * 64)
+    else:  # a value file of another user: its values are not ours to serve
+        path.write_bytes(_entries({"k": 1.0, "planted": 5.0}))
+        euid = os.geteuid()
+        monkeypatch.setattr(os, "geteuid", lambda: euid + 1)
     f = ValueFile(str(path))
     f.write_value("k", 3.0, 0.0)
     f.flush()
@@ -197,4 +207,20 @@ def test_a_value_overwritten_in_place_is_seen_and_rewritten(
     assert f.damage() == "overwritten"
     watcher.check()
     assert f.damage() is None and _on_disk(path) == {"a": 1.0, "b": 2.0}
+    f.close()
+
+
+def test_a_file_whose_header_cannot_be_written_is_closed_and_retried(
+        tmp_path: Path, failing_writes: Callable[..., None]) -> None:
+    """A failed header write in the constructor raised into the caller and leaked the fd."""
+    path = tmp_path / "counter_4248.db"
+    fds = len(os.listdir("/proc/self/fd"))
+    failing_writes(lambda fd, data, offset: True)
+    f = ValueFile(str(path))
+    failing_writes.restore()  # type: ignore[attr-defined]
+    assert len(os.listdir("/proc/self/fd")) == fds
+    f.write_value("a", 4.0, 0.0)
+    assert f.damage() == "unopened"
+    f.rewrite()
+    assert _on_disk(path) == {"a": 4.0}
     f.close()

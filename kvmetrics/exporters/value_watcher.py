@@ -125,6 +125,8 @@ class Watcher:
         """In a forked child: locks the watcher's thread may have held at the fork are
         new (the library then closes the parent's files and opens the child's own)."""
         self._lock = threading.Lock()
+        self._events_lock = threading.Lock()
+        self._events = {}
         for f in list(self._files):
             f._lock = threading.Lock()
 
