@@ -276,13 +276,14 @@ class ValueFile:
                 return None
             return None
 
-    def rewrite(self) -> None:
+    def rewrite(self) -> bool:
         """Write every value held into a new file at the path (made next to it, then
-        renamed over it) and write to that file from now on; OSError leaves the
-        current one in use."""
+        renamed over it) and write to that file from now on: True; False when there is
+        nothing to rewrite (closed, or the process retired); OSError leaves the current
+        one in use."""
         with self._lock:
             if self._closed or WATCHER.retired:  # a file removed on purpose stays removed
-                return
+                return False
             keys = self._take_dirty()
             image, placed = self._with_unstored()
             directory, name = os.path.split(self._path)
@@ -318,6 +319,7 @@ class ValueFile:
             if old >= 0:
                 with contextlib.suppress(OSError):
                     os.close(old)
+            return True
 
     def wait_for_rewrite(self) -> None:
         """Return once no rewrite of this file is in progress."""

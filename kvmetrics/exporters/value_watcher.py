@@ -201,10 +201,10 @@ class Watcher:
     def _repair(self, group: list[ValueFile], what: str, where: str) -> None:
         """Rewrite ``group``; a rewrite that worked is counted as ``what``, one that
         failed as ``rewrite_failed`` (logged once per file until it works again)."""
-        failed = []
+        failed, rewrote = [], 0
         for f in group:
             try:
-                f.rewrite()
+                rewrote += f.rewrite()
             except OSError as e:
                 failed.append(f"{os.path.basename(f.path)}: {e.strerror or e}")
                 _notify("rewrite_failed", f.path)
@@ -215,12 +215,12 @@ class Watcher:
                               f.path, os.getpid(), _SAID[what], e.strerror or e)
             else:
                 self._logged.discard(("rewrite_failed", f.path))
-        if len(failed) == len(group):
+        if not rewrote:
             return
         self.rewrites[what] = self.rewrites.get(what, 0) + 1
         log.error("kvmetrics: multiprocess value files of pid %d %s (%s): rewrote %d "
                   "file(s) from the values in memory", os.getpid(),
-                  _SAID[what], where, len(group) - len(failed))
+                  _SAID[what], where, rewrote)
         _notify(what, where)
 
 
