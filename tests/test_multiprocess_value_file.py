@@ -65,7 +65,7 @@ def failing_writes(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
 
 
 @pytest.mark.parametrize("planted", ["fifo", "directory", "huge", "lying_header",
-                                     "foreign"])
+                                     "foreign", "hard_link"])
 def test_what_is_planted_at_the_files_name_is_replaced_not_used(
         tmp_path: Path, planted: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A FIFO or a directory there made metric creation raise; a huge file there was
@@ -81,6 +81,9 @@ def test_what_is_planted_at_the_files_name_is_replaced_not_used(
             f.truncate(value_layout.MAX_REUSED_SIZE + 4096)  # sparse: no real blocks
     elif planted == "lying_header":
         path.write_bytes((1 << 30).to_bytes(4, "little") + bytes(4) + b"x" * 64)
+    elif planted == "hard_link":  # another file of ours: never written through
+        (tmp_path / "precious").write_bytes(b"keep")
+        os.link(tmp_path / "precious", path)
     else:  # a value file of another user: its values are not ours to serve
         path.write_bytes(_entries({"k": 1.0, "planted": 5.0}))
         euid = os.geteuid()
@@ -91,6 +94,8 @@ def test_what_is_planted_at_the_files_name_is_replaced_not_used(
     st = path.stat()
     assert path.is_file() and st.st_size == INITIAL_SIZE
     assert _on_disk(path) == {"k": 3.0}
+    if planted == "hard_link":
+        assert (tmp_path / "precious").read_bytes() == b"keep"
     f.close()
 
 

@@ -88,9 +88,10 @@ def _remove(filename: str) -> None:
 
 
 def _open_own(filename: str) -> int:
-    """An fd of a regular file of ours at ``filename``, at most MAX_REUSED_SIZE bytes:
-    the one there if it is such a file (an earlier process with our pid left it), else
-    a new one in its place (anything else there is removed, never read or written)."""
+    """An fd of a regular file of ours at ``filename`` (one link, at most
+    MAX_REUSED_SIZE bytes): the one there if it is such a file (an earlier process
+    with our pid left it), else a new one in its place (anything else there, a hard
+    link to another file of ours included, is removed, never read or written)."""
     try:
         fd = os.open(filename, _FLAGS)
     except FileNotFoundError:
@@ -100,8 +101,8 @@ def _open_own(filename: str) -> int:
         return os.open(filename, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() \
-                and st.st_size <= MAX_REUSED_SIZE:
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1 \
+                and st.st_size <= MAX_REUSED_SIZE:  # a hard link: another file of ours
             return fd
     except OSError:
         os.close(fd)
