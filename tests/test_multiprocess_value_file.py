@@ -137,9 +137,14 @@ def test_a_series_without_room_is_kept_in_memory_counted_never_raised(
     assert _on_disk(path) == {"a": 1.0}
     failing_writes(lambda fd, data, offset: True)
     f.write_value("b", 2.0, 0.0)  # no room: no OSError
+    watcher.check()  # still no room: kept in memory, not counted again
+    assert _on_disk(path) == {"a": 1.0}
     failing_writes.restore()  # type: ignore[attr-defined]
     watcher._tell()
     assert [w for w, _ in events] == ["series_unstored", "series_unstored"]
+    f.write_value("b", 3.0, 0.0)
+    watcher.check()  # room again: the series gets its place
+    assert _on_disk(path) == {"a": 1.0, "b": 3.0}
     f.close()
 
 

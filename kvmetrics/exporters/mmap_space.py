@@ -223,7 +223,16 @@ class ValueFile:
                 self._fd = -1
         WATCHER.discard(self)
 
-    def _add(self, key: str, value: float, timestamp: float) -> None:
+    def place_unstored(self) -> None:
+        """Try again to give the series held in memory only their place in the file
+        (the watcher, once a second; a failure was counted when the series came)."""
+        with self._lock:
+            for key in sorted(self._unstored):
+                if self._fd < 0 or not self._add(key, *self._values[key], count=False):
+                    return
+                self._unstored.discard(key)
+
+    def _add(self, key: str, value: float, timestamp: float, count: bool = True) -> bool:
         """Write a new key with its value at the end of the file (lock held). When the
         file cannot take it (no room, no file) nothing of the file's state changes: the
         key is held in memory only, counted and logged, until a rewrite places it."""
@@ -242,12 +251,14 @@ class ValueFile:
             os.pwrite(self._fd, INT.pack(used), 0)
         except OSError as e:
             self._unstored.add(key)
-            WATCHER.note("series_unstored", self._path, e)
-            return
+            if count:
+                WATCHER.note("series_unstored", self._path, e)
+            return False
         self._image += new
         self._image[0:4] = INT.pack(used)
         self._positions[key] = used - 16
         self._used = used
+        return True
 
     def damage(self) -> str | None:
         """What was done to the file since this process wrote it, or None."""

@@ -195,6 +195,8 @@ class Watcher:
                     what = f.damage()
                     if what is not None:
                         self._repair([f], what, f.path)
+                    else:
+                        f.place_unstored()
             with self._lock:
                 self._directories[directory] = now
 
