@@ -263,3 +263,18 @@ def test_a_family_marked_absent_while_running_leaves_the_page_and_the_totals() -
     assert not [line for line in sink.render().decode().splitlines()
                 if line.startswith(cat.PREEMPTIONS.series_names()[0] + "{")
                 and 'engine="0"' in line]
+
+
+def test_each_value_file_event_is_counted_under_its_own_reason() -> None:
+    """A failed repair was counted as a repair, and a series kept in memory only was
+    not counted at all."""
+    sink = PrometheusSink(CollectorRegistry())
+    for what in ("truncated", "unwritable", "rewrite_failed", "series_unstored",
+                 "series_unstored"):
+        sink._rewrote_files(what, "counter_1.db")
+    page = generate_latest(sink.registry).decode()
+    counted = {s.labels["reason"]: s.value for f in text_string_to_metric_families(page)
+               for s in f.samples if s.name == cat.SCRAPE_ERRORS.name + "_total"
+               or s.name == cat.SCRAPE_ERRORS.name}
+    assert counted == {"multiprocess_file_rewritten": 1, "multiprocess_file_unwritable": 1,
+                       "multiprocess_rewrite_failed": 1, "multiprocess_series_unstored": 2}

@@ -18,8 +18,9 @@ fault: a write past the end of a truncated file extends it, a write with no room
 ``OSError`` (the values stay dirty for the next round and the rewrite below). Every
 byte of a file is allocated with ``posix_fallocate`` before it is used; a new series
 (a key not yet in the file, first use of a label set) is written at once, so a full
-filesystem is an ``OSError`` to the caller that asked for room (the exporter drops
-that series and counts it).
+filesystem is known when room is asked for. Nothing raises into the caller (vLLM's own
+metrics use this class): a series with no room, or whose file could not be opened, is
+held in memory only, counted and logged once, until the watcher's rewrite places it.
 
 Why the lag loses nothing a scrape would have read: a scrape reads the files at most
 one flush interval behind the engine, a tenth of a second against scrape intervals of
@@ -47,6 +48,7 @@ too), so the class has to be the one the library uses:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 
@@ -54,12 +56,14 @@ from prometheus_client import values
 from prometheus_client.mmap_dict import MmapedDict
 
 from kvmetrics.exporters.value_layout import (
+    INITIAL_SIZE,
     INT,
     TWO_DOUBLES,
     entry,
     existing_values,
     identity,
     open_reserved,
+    read_used,
     reserve,
 )
 from kvmetrics.exporters.value_watcher import (  # noqa: F401 (on_rewrite: the module's API)
@@ -90,11 +94,16 @@ class ValueFile:
         self._path = filename
         self._pid = os.getpid()
         self._lock = threading.Lock()
-        self._fd, self._capacity = open_reserved(filename)
+        self._closed = False
+        #: Keys held in memory only: their file had no room (or could not be opened);
+        #: the next rewrite of the file gives them a place.
+        self._unstored: set[str] = set()
+        #: Why the last write of dirty values failed; None once one succeeds.
+        self._write_error: OSError | None = None
+        self._fd, self._capacity, data = self._open(filename)
         try:
-            data = os.pread(self._fd, self._capacity, 0)
             found = existing_values(data)
-        except OSError:
+        except Exception:  # bytes left by someone else: start empty
             found = {}
         self._positions = {k: pos for k, (pos, _, _) in found.items()}
         self._values = {k: (v, ts) for k, (_, v, ts) in found.items()}
@@ -102,13 +111,36 @@ class ValueFile:
         #: storing the value; the thread pops before reading it, so none is lost).
         self._dirty: set[str] = set()
         self._used = max((pos + 16 for pos in self._positions.values()), default=8)
+        self._identity = (-1, -1)
         if found:
             self._image = bytearray(data[:self._used])
         else:
             self._image = bytearray(INT.pack(8) + bytes(4))
-            os.pwrite(self._fd, bytes(self._image), 0)
-        self._identity = identity(os.fstat(self._fd))
+        try:
+            if self._fd >= 0:
+                if not found:
+                    os.pwrite(self._fd, bytes(self._image), 0)
+                self._identity = identity(os.fstat(self._fd))
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+            WATCHER.note("series_unstored", filename, e)
         WATCHER.add(self)
+
+    @staticmethod
+    def _open(filename: str) -> tuple[int, int, bytes]:
+        """(fd, capacity, bytes used) of the file, or no file (-1) when it cannot be
+        opened: the process keeps its values in memory and the watcher retries."""
+        try:
+            fd, capacity = open_reserved(filename)
+        except OSError as e:
+            WATCHER.note("series_unstored", filename, e)
+            return -1, INITIAL_SIZE, b""
+        try:
+            return fd, capacity, read_used(fd, capacity)
+        except OSError:
+            return fd, capacity, b""
 
     @property
     def path(self) -> str:
@@ -116,9 +148,9 @@ class ValueFile:
 
     def read_value(self, key: str) -> tuple[float, float]:
         with self._lock:
-            if key not in self._positions:
-                self._add(key, 0.0, 0.0)
+            if key not in self._values:
                 self._values[key] = (0.0, 0.0)
+                self._add(key, 0.0, 0.0)
             return self._values[key]
 
     def write_value(self, key: str, value: float, timestamp: float) -> None:
@@ -130,9 +162,11 @@ class ValueFile:
             if key in self._positions:
                 self._values[key] = (value, timestamp)
                 self._dirty.add(key)
+            elif key in self._unstored:
+                self._values[key] = (value, timestamp)  # in memory until a rewrite
             else:
-                self._add(key, value, timestamp)
                 self._values[key] = (value, timestamp)
+                self._add(key, value, timestamp)
 
     def flush(self) -> None:
         """Write every value updated since the last flush. A failed write keeps them
@@ -158,10 +192,13 @@ class ValueFile:
             with memoryview(self._image) as image:
                 for start, end in spans:
                     os.pwrite(self._fd, image[start:end], start)
-        except OSError:
+        except OSError as e:
             # No room where a truncated file lost its blocks, or EIO: the values
             # stay dirty, and the watcher rewrites the file (or says why it cannot).
             self._dirty.update(keys)
+            self._write_error = e
+        else:
+            self._write_error = None
 
     def _take_dirty(self) -> list[str]:
         """Pop the dirty keys and pack their latest values into the image (lock held)."""
@@ -179,35 +216,59 @@ class ValueFile:
     def close(self) -> None:
         self.flush()
         with self._lock:
+            self._closed = True
             if self._fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(self._fd)
                 self._fd = -1
         WATCHER.discard(self)
 
-    def _add(self, key: str, value: float, timestamp: float) -> int:
-        """Append a new key with its value (lock held); OSError, with nothing changed,
-        when the file cannot grow."""
+    def place_unstored(self) -> None:
+        """Try again to give the series held in memory only their place in the file
+        (the watcher, once a second; a failure was counted when the series came)."""
+        with self._lock:
+            for key in sorted(self._unstored):
+                if self._fd < 0 or not self._add(key, *self._values[key], count=False):
+                    return
+                self._unstored.discard(key)
+
+    def _add(self, key: str, value: float, timestamp: float, count: bool = True) -> bool:
+        """Write a new key with its value at the end of the file (lock held). When the
+        file cannot take it (no room, no file) nothing of the file's state changes: the
+        key is held in memory only, counted and logged, until a rewrite places it."""
         new = entry(key, value, timestamp)
-        capacity = self._capacity
-        while self._used + len(new) > capacity:
-            capacity *= 2
-        if capacity > self._capacity:
-            reserve(self._fd, self._capacity, capacity)
-            self._capacity = capacity
-        os.pwrite(self._fd, new, self._used)
-        self._used += len(new)
-        os.pwrite(self._fd, INT.pack(self._used), 0)
+        used = self._used + len(new)
+        try:
+            if self._fd < 0:
+                raise OSError(errno.EBADF, "the file could not be opened")
+            capacity = self._capacity
+            while used > capacity:
+                capacity *= 2
+            if capacity > self._capacity:
+                reserve(self._fd, self._capacity, capacity)
+                self._capacity = capacity
+            os.pwrite(self._fd, new, self._used)
+            os.pwrite(self._fd, INT.pack(used), 0)
+        except OSError as e:
+            self._unstored.add(key)
+            if count:
+                WATCHER.note("series_unstored", self._path, e)
+            return False
         self._image += new
-        self._image[0:4] = INT.pack(self._used)
-        self._positions[key] = self._used - 16
-        return self._used - 16
+        self._image[0:4] = INT.pack(used)
+        self._positions[key] = used - 16
+        self._used = used
+        return True
 
     def damage(self) -> str | None:
         """What was done to the file since this process wrote it, or None."""
         with self._lock:
-            if self._fd < 0:
+            if self._closed:
                 return None
+            if self._fd < 0:
+                return "unopened"
+            if self._write_error is not None:
+                return "unwritable"
             try:
                 on_disk = os.stat(self._path, follow_symlinks=False)
             except FileNotFoundError:
@@ -220,20 +281,22 @@ class ValueFile:
                     return "replaced"
                 if own.st_size < self._capacity:
                     return "truncated"
-                if os.pread(self._fd, 4, 0) != INT.pack(self._used):
-                    return "overwritten"
+                if os.pread(self._fd, self._used, 0) != self._image:
+                    return "overwritten"  # anywhere in what was written, not only the header
             except OSError:
                 return None
             return None
 
-    def rewrite(self) -> None:
+    def rewrite(self) -> bool:
         """Write every value held into a new file at the path (made next to it, then
-        renamed over it) and write to that file from now on; OSError leaves the
-        current one in use."""
+        renamed over it) and write to that file from now on: True; False when there is
+        nothing to rewrite (closed, or the process retired); OSError leaves the current
+        one in use."""
         with self._lock:
-            if self._fd < 0:
-                return
+            if self._closed or WATCHER.retired:  # a file removed on purpose stays removed
+                return False
             keys = self._take_dirty()
+            image, placed = self._with_unstored()
             directory, name = os.path.split(self._path)
             temporary = os.path.join(directory, f".{name}.{os.getpid()}.new")
             with contextlib.suppress(FileNotFoundError):
@@ -245,8 +308,11 @@ class ValueFile:
                 self._dirty.update(keys)
                 raise
             try:
-                reserve(fd, 0, self._capacity)
-                os.pwrite(fd, bytes(self._image), 0)
+                capacity = self._capacity
+                while len(image) > capacity:
+                    capacity *= 2
+                reserve(fd, 0, capacity)
+                os.pwrite(fd, bytes(image), 0)
                 os.rename(temporary, self._path)
             except OSError:
                 self._dirty.update(keys)
@@ -255,9 +321,31 @@ class ValueFile:
                     os.unlink(temporary)
                 raise
             old, self._fd = self._fd, fd
-            self._identity = identity(os.fstat(fd))
+            self._capacity, self._image, self._used = capacity, image, len(image)
+            self._positions.update(placed)
+            self._unstored.difference_update(placed)
+            self._write_error = None
             with contextlib.suppress(OSError):
-                os.close(old)
+                self._identity = identity(os.fstat(fd))
+            if old >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(old)
+            return True
+
+    def wait_for_rewrite(self) -> None:
+        """Return once no rewrite of this file is in progress."""
+        with self._lock:
+            pass
+
+    def _with_unstored(self) -> tuple[bytearray, dict[str, int]]:
+        """The image with the keys held in memory only appended, and their places."""
+        image = bytearray(self._image)
+        placed: dict[str, int] = {}
+        for key in sorted(self._unstored):
+            image += entry(key, *self._values[key])
+            placed[key] = len(image) - 16
+        image[0:4] = INT.pack(len(image))
+        return image, placed
 
 
 def flush() -> None:

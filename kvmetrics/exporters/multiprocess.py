@@ -94,13 +94,23 @@ def reap_dead_processes(directory: str, names: list[str] | None = None) -> list[
     return sorted(dead)
 
 
+#: Open lifetimes by (pid, directory): several sinks of one process (the lab runs
+#: some side by side) share the process's files, so only the last to close marks it dead.
+_open_lifetimes: dict[tuple[int, str], int] = {}
+_lifetimes_lock = threading.Lock()
+
+
 class ProcessLifetime:
-    """Marks this process dead in ``directory`` once: on :meth:`close` or at exit."""
+    """Marks this process dead in ``directory`` once its last lifetime there closes:
+    on :meth:`close` or at exit."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.pid = os.getpid()
         self._closed = False
+        with _lifetimes_lock:
+            key = (self.pid, directory)
+            _open_lifetimes[key] = _open_lifetimes.get(key, 0) + 1
         reap_dead_processes(directory)
         atexit.register(self.close)
 
@@ -108,6 +118,13 @@ class ProcessLifetime:
         if self._closed or os.getpid() != self.pid:  # a forked child is not us
             return
         self._closed = True
+        with _lifetimes_lock:
+            key = (self.pid, self.directory)
+            left = _open_lifetimes.get(key, 1) - 1
+            if left > 0:
+                _open_lifetimes[key] = left
+                return  # another sink of this process still uses its files
+            _open_lifetimes.pop(key, None)
         mmap_space.flush()  # every update in the files before the process is marked dead
         mmap_space.retire()  # its live-gauge files go on purpose: not repaired
         try:

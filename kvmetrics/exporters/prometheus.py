@@ -82,6 +82,13 @@ OTHER_ENGINE = ("_other", "_other")
 _Series = Any
 
 
+#: The scrape-error reason of each event the value-file watcher reports (any other
+#: event is a repair: multiprocess_file_rewritten).
+_FILE_EVENT_REASONS = {"unwritable": "multiprocess_file_unwritable",
+                       "rewrite_failed": "multiprocess_rewrite_failed",
+                       "series_unstored": "multiprocess_series_unstored"}
+
+
 class PrometheusSink:
     """Implements :class:`kvmetrics.metrics.sink.MetricSink` with prometheus-client.
 
@@ -287,8 +294,9 @@ class PrometheusSink:
         self._count_file_problem("multiprocess_file_over_budget")
 
     def _rewrote_files(self, what: str, where: str) -> None:
-        """This process's value files were damaged and written anew (watcher thread)."""
-        self._count_file_problem("multiprocess_file_rewritten")
+        """Something happened to this process's value files (watcher thread): a
+        repair, a failed one, or a new series kept in memory only."""
+        self._count_file_problem(_FILE_EVENT_REASONS.get(what, "multiprocess_file_rewritten"))
 
     def _count_file_problem(self, reason: str) -> None:
         engine = min(self._engines) if self._engines else OTHER_ENGINE

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import struct
 
 #: The size prometheus-client gives a new file (``mmap_dict._INITIAL_MMAP_SIZE``).
@@ -66,12 +67,58 @@ def identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+#: The largest file left at this process's own name that is taken over as it is: the
+#: library's files stay far under it (a series is well under 1 KiB); anything bigger
+#: is not a file this process could have written, and is made anew.
+MAX_REUSED_SIZE = 1 << 26
+
+_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def _remove(filename: str) -> None:
+    """Take away whatever is at ``filename`` (a file, a FIFO, a link, an empty directory)."""
+    try:
+        os.unlink(filename)
+    except IsADirectoryError:
+        os.rmdir(filename)
+    except PermissionError:  # Linux says EPERM, not EISDIR, for unlink of a directory
+        if not os.path.isdir(filename) or os.path.islink(filename):
+            raise
+        os.rmdir(filename)
+
+
+def _open_own(filename: str) -> int:
+    """An fd of a regular file of ours at ``filename`` (one link, at most
+    MAX_REUSED_SIZE bytes): the one there if it is such a file (an earlier process
+    with our pid left it), else a new one in its place (anything else there, a hard
+    link to another file of ours included, is removed, never read or written)."""
+    try:
+        fd = os.open(filename, _FLAGS)
+    except FileNotFoundError:
+        return os.open(filename, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:  # a directory, a socket, a symlink (ELOOP): not ours to use
+        _remove(filename)
+        return os.open(filename, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1 \
+                and st.st_size <= MAX_REUSED_SIZE:  # a hard link: another file of ours
+            return fd
+    except OSError:
+        os.close(fd)
+        raise
+    os.close(fd)
+    _remove(filename)
+    return os.open(filename, _FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
+
+
 def open_reserved(filename: str) -> tuple[int, int]:
-    """Open ``filename`` (new, or left by an earlier process with our pid) with real
-    blocks for its whole size: (fd, size). A file this call made and could not fill
-    is removed: an empty ``*.db`` left behind would fail every scrape of
-    prometheus-client's own collector (vLLM's ``/metrics``)."""
-    fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    """Open ``filename`` (new, or a regular file of ours left by an earlier process
+    with our pid) with real blocks for its whole size: (fd, size). A file this call
+    made and could not fill is removed: an empty ``*.db`` left behind would fail every
+    scrape of prometheus-client's own collector (vLLM's ``/metrics``)."""
+    fd = _open_own(filename)
+    size = 0
     try:
         size = os.fstat(fd).st_size
         capacity = max(size, INITIAL_SIZE)
@@ -83,3 +130,10 @@ def open_reserved(filename: str) -> tuple[int, int]:
                 os.unlink(filename)
         raise
     return fd, capacity
+
+
+def read_used(fd: int, size: int) -> bytes:
+    """The bytes of ``fd`` its header says are used, never more than ``size``."""
+    head = os.pread(fd, 8, 0)
+    claimed = INT.unpack_from(head)[0] if len(head) >= 8 else 0
+    return os.pread(fd, min(max(claimed, 0), size), 0)

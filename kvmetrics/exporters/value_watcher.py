@@ -47,8 +47,10 @@ _listeners: list[Callable[[], Callable[[str, str], None] | None]] = []
 
 def on_rewrite(listener: Callable[[str, str], None]) -> None:
     """Call ``listener(what, where)`` for every repair the watcher makes (``what``:
-    deleted, replaced, truncated, overwritten, or directory_recreated). It runs on the
-    watcher's thread."""
+    deleted, replaced, truncated, overwritten, unwritable, unopened or
+    directory_recreated), every repair that failed (``rewrite_failed``) and every new
+    series held in memory only because its file had no room (``series_unstored``). It
+    runs on the watcher's thread, never under a file's lock."""
     if hasattr(listener, "__self__"):
         _listeners.append(weakref.WeakMethod(listener))
     else:
@@ -67,6 +69,33 @@ class Watcher:
         self._retired = False
         #: Rewrites done, by what happened (for tests and the log).
         self.rewrites: dict[str, int] = {}
+        #: Events noted on other threads (under a file's lock), told to the listeners
+        #: by the watcher's thread: what -> (count, a place it happened).
+        self._events: dict[str, tuple[int, str]] = {}
+        self._events_lock = threading.Lock()
+        #: What has been logged already (one line per kind and file until it changes).
+        self._logged: set[tuple[str, str]] = set()
+
+    def note(self, what: str, where: str, error: OSError) -> None:
+        """Record an event for the listeners (any thread, a file's lock held): told on
+        the watcher's next round; logged once per kind and process."""
+        with self._events_lock:
+            count, _ = self._events.get(what, (0, where))
+            self._events[what] = (count + 1, where)
+            first = (what, "") not in self._logged
+            self._logged.add((what, ""))
+        if first:
+            log.error("kvmetrics: a new series of pid %d is kept in memory only, not in "
+                      "%s: %s (counted; the file is retried once a second)", os.getpid(),
+                      where, error.strerror or error)
+
+    def _tell(self) -> None:
+        """Give the events noted since the last round to the listeners."""
+        with self._events_lock:
+            events, self._events = self._events, {}
+        for what, (count, where) in events.items():
+            for _ in range(count):
+                _notify(what, where)
 
     def add(self, f: ValueFile) -> None:
         with self._lock:
@@ -75,6 +104,8 @@ class Watcher:
                 self._files = weakref.WeakSet()
                 self._directories = {}
                 self._retired = False
+                self._events_lock = threading.Lock()
+                self._events = {}
                 threading.Thread(target=self._run, name="kvmetrics-mp-files",
                                  daemon=True).start()
                 atexit.register(self.flush)  # a clean exit loses no update
@@ -94,13 +125,25 @@ class Watcher:
         """In a forked child: locks the watcher's thread may have held at the fork are
         new (the library then closes the parent's files and opens the child's own)."""
         self._lock = threading.Lock()
+        self._events_lock = threading.Lock()
+        self._events = {}
         for f in list(self._files):
             f._lock = threading.Lock()
 
+    @property
+    def retired(self) -> bool:
+        return self._retired
+
     def retire(self) -> None:
-        """Stop repairing: the process has marked itself dead (its live-gauge files
-        are removed on purpose)."""
+        """Stop repairing: the process is about to mark itself dead (its live-gauge
+        files are removed on purpose). A rewrite checks the flag under its file's lock;
+        taking each lock once here waits out any rewrite already past that check, so
+        none brings a file back after this returns."""
         self._retired = True
+        with self._lock:
+            files = list(self._files)
+        for f in files:
+            f.wait_for_rewrite()
 
     def flush(self) -> None:
         """Write every value this process updated since the last round."""
@@ -120,6 +163,8 @@ class Watcher:
             if self._pid != pid:
                 return
             self.flush()
+            with contextlib.suppress(Exception):
+                self._tell()
             if time.monotonic() < next_check:
                 continue
             next_check = time.monotonic() + CHECK_INTERVAL_S
@@ -150,31 +195,49 @@ class Watcher:
                     what = f.damage()
                     if what is not None:
                         self._repair([f], what, f.path)
+                    else:
+                        f.place_unstored()
             with self._lock:
                 self._directories[directory] = now
 
     def _repair(self, group: list[ValueFile], what: str, where: str) -> None:
-        failed = []
+        """Rewrite ``group``; a rewrite that worked is counted as ``what``, one that
+        failed as ``rewrite_failed`` (logged once per file until it works again)."""
+        failed, rewrote = [], 0
         for f in group:
             try:
-                f.rewrite()
+                rewrote += f.rewrite()
             except OSError as e:
                 failed.append(f"{os.path.basename(f.path)}: {e.strerror or e}")
+                _notify("rewrite_failed", f.path)
+                if ("rewrite_failed", f.path) not in self._logged:
+                    self._logged.add(("rewrite_failed", f.path))
+                    log.error("kvmetrics: multiprocess value file %s of pid %d %s and "
+                              "could not be rewritten: %s (retried once a second)",
+                              f.path, os.getpid(), _SAID[what], e.strerror or e)
+            else:
+                self._logged.discard(("rewrite_failed", f.path))
+        if not rewrote:
+            return
         self.rewrites[what] = self.rewrites.get(what, 0) + 1
-        outcome = f"; could not rewrite {', '.join(failed)}" if failed else ""
         log.error("kvmetrics: multiprocess value files of pid %d %s (%s): rewrote %d "
-                  "file(s) from the values in memory%s", os.getpid(),
-                  _SAID[what], where, len(group) - len(failed), outcome)
-        for ref in list(_listeners):
-            listener = ref()
-            if listener is not None:
-                with contextlib.suppress(Exception):
-                    listener(what, where)
+                  "file(s) from the values in memory", os.getpid(),
+                  _SAID[what], where, rewrote)
+        _notify(what, where)
+
+
+def _notify(what: str, where: str) -> None:
+    for ref in list(_listeners):
+        listener = ref()
+        if listener is not None:
+            with contextlib.suppress(Exception):
+                listener(what, where)
 
 
 _SAID = {"deleted": "deleted", "replaced": "replaced by another file",
          "truncated": "truncated", "overwritten": "overwritten in place",
-         "directory_recreated": "lost: the directory was deleted and made again"}
+         "directory_recreated": "lost: the directory was deleted and made again",
+         "unwritable": "refused every write", "unopened": "could not be opened"}
 
 WATCHER = Watcher()
 os.register_at_fork(after_in_child=WATCHER.after_fork)

@@ -281,7 +281,8 @@ INVARIANT_VIOLATIONS = MetricSpec(
 
 #: Why a multiprocess file was left out of a page, or rewritten by its writer.
 SCRAPE_ERROR_REASONS = ("unreadable_multiprocess_file", "multiprocess_file_over_budget",
-                        "multiprocess_file_rewritten")
+                        "multiprocess_file_rewritten", "multiprocess_file_unwritable",
+                        "multiprocess_rewrite_failed", "multiprocess_series_unstored")
 
 SCRAPE_ERRORS = MetricSpec(
     "kvmetrics_scrape_errors_total", "counter",
@@ -291,7 +292,11 @@ SCRAPE_ERRORS = MetricSpec(
     "multiprocess_file_over_budget is one left out because reading it would pass the "
     "scrape's budget of series, bytes or time; multiprocess_file_rewritten is a repair "
     "of this process's own files (one truncated, replaced, deleted or overwritten, or "
-    "the directory deleted and made again), written anew from the values in memory.",
+    "the directory deleted and made again), written anew from the values in memory; "
+    "multiprocess_file_unwritable is one rewritten because every write to it failed; "
+    "multiprocess_rewrite_failed is a repair that failed (retried once a second); "
+    "multiprocess_series_unstored is a new series its file had no room for (or that "
+    "could not be opened), kept in memory only until a rewrite gives it a place.",
     unit="errors", labels={"reason": SCRAPE_ERROR_REASONS},
 )
 
