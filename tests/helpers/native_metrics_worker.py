@@ -26,9 +26,16 @@ from kvmetrics.integrations.vllm_lab.differential import (
 )
 from kvmetrics.metrics import catalogue as cat
 
-#: (load mode, policy, seed) of each workload.
-WORKLOADS = (("sync", "recompute", 0), ("sync", "fail", 1), ("async", "recompute", 2),
-             ("async", "fail", 3), ("mixed", "recompute", 4))
+#: (load mode, policy, seed, async scheduling) of each workload. Under vLLM's
+#: AsyncScheduler a request's next step may be scheduled before the failed step's output
+#: is processed. Both sides take the count before the failed step as vLLM's rollback
+#: does (computed count minus the step's scheduled tokens), so equal counts show they
+#: count the same events, not that this count excludes a next step already scheduled.
+WORKLOADS = (("sync", "recompute", 0, False), ("sync", "fail", 1, False),
+             ("async", "recompute", 2, False), ("async", "fail", 3, False),
+             ("mixed", "recompute", 4, False), ("sync", "recompute", 5, True),
+             ("sync", "fail", 6, True), ("async", "recompute", 7, True),
+             ("async", "fail", 8, True))
 #: vLLM's counter -> kvmetrics' family and the labels to sum it over.
 MAPPING: dict[str, tuple[cat.MetricSpec, dict[str, str]]] = {
     "vllm:kv_load_failed_blocks_total": (cat.KV_LOAD_BLOCKS, {"outcome": "failed"}),
@@ -43,6 +50,7 @@ class _Exported:
     """Every scheduler of the run hands its stats to one vLLM stat logger."""
 
     logger: PrometheusStatLogger | None = None
+    steps_scheduled = 0
     steps_with_stats = 0
 
 
@@ -60,7 +68,16 @@ def _export_stats(engine: Any) -> None:
                 _Exported.steps_with_stats += 1
         return outputs
 
+    schedule = scheduler.schedule
+
+    def count_and_schedule(*args: Any, **kwargs: Any) -> Any:
+        _Exported.steps_scheduled += 1
+        return schedule(*args, **kwargs)
+
     scheduler.update_from_output = update_and_export
+    scheduler.schedule = count_and_schedule
+    if engine.batch_queue is not None:  # async scheduling: it holds vLLM's schedule
+        engine.batch_queue._schedule = count_and_schedule
 
 
 def _vllm_counters(policy: str) -> dict[str, float]:
@@ -83,16 +100,18 @@ def main() -> None:
 
     engine_module.VllmEngine.__init__ = init_and_export  # type: ignore[method-assign]
     results = {}
-    for mode, policy, seed in WORKLOADS:
+    for mode, policy, seed, async_scheduling in WORKLOADS:
         config = vllm_faithful(SchedulerConfig(
             block_size=16, num_gpu_blocks=1024, max_num_seqs=8, max_num_batched_tokens=128,
-            max_model_len=1024, kv_load_failure_policy=policy))  # type: ignore[arg-type]
-        _Exported.steps_with_stats = 0
+            max_model_len=1024, kv_load_failure_policy=policy,  # type: ignore[arg-type]
+            async_scheduling=async_scheduling))
+        _Exported.steps_scheduled = _Exported.steps_with_stats = 0
         run = run_vllm(config, random_workload(seed, 60, load_mode=mode, doc_blocks=(2, 6)),
                        FaultPlan(rate=0.15, seed=seed))
         totals = run.pipeline.totals
-        results[f"{mode}-{policy}"] = {
-            "steps": run.steps,
+        scheduling = "async_scheduling" if async_scheduling else "sync_scheduling"
+        results[f"{scheduling}-{mode}-{policy}"] = {
+            "steps_scheduled": _Exported.steps_scheduled,
             "steps_with_stats": _Exported.steps_with_stats,
             "vllm": _vllm_counters(policy),
             "kvmetrics": {name: totals.get(spec, **labels)
