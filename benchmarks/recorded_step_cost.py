@@ -6,8 +6,9 @@ then the pool audit and the CPU counter's report, the exporters). This runs the 
 vLLM scheduler at steady decode with kvmetrics' clock advanced by ``--step-ms`` per
 step, as under ``vllm serve`` (a gauge read every 32nd step at 10 ms), and prints the
 thread CPU time of the recorded part (``StepEnd._kv_end_step_timed``) per size, and
-of the self-checks inside it (kvmetrics' own count of vLLM's queues and its comparisons
-with vLLM's figures) separately. The event cross-checks (an admission's prompt split, a
+of the gauge read with its self-checks inside it (vLLM's accessors, kvmetrics' own
+count of vLLM's queues and its comparisons with vLLM's figures, one function)
+separately. The event cross-checks (an admission's prompt split, a
 finish's preemptions) run in the hooks, once per event: their calls and mean cost are
 printed per size too. Each self-check call is timed by a wrapper whose clock read is
 calibrated and taken off, so the figures are the checks' own cost.
@@ -27,10 +28,11 @@ from dataclasses import dataclass, field
 from time import monotonic_ns, thread_time_ns
 from typing import Any
 
-#: The self-check entry points timed: kvmetrics' own count of vLLM's queues (module
-#: functions of selfcheck) and the comparisons (methods of SelfChecks).
-_CHECK_FUNCTIONS = ("derived_request_counts",)
-_CHECK_METHODS = ("compare", "prefill", "finished_preemptions")
+#: The self-check entry points timed (methods of SelfChecks): the gauge read, whose
+#: own count of vLLM's queues and comparisons with vLLM's figures are inline with the
+#: reads of vLLM's accessors, and the comparisons the event hooks make. A call made
+#: inside another timed one is not timed twice.
+_CHECK_METHODS = ("gauges", "compare", "prefill", "finished_preemptions")
 
 
 def clock_read_ns(rounds: int = 2000) -> float:
@@ -89,9 +91,8 @@ def measure(running: int, steps: int, step_ms: float) -> Costs:
     costs = Costs()
     checks = CheckTimer(clock_read_ns())
     originals: list[tuple[Any, str, Any]] = [
-        *((selfcheck, name, getattr(selfcheck, name)) for name in _CHECK_FUNCTIONS),
-        *((selfcheck.SelfChecks, name, getattr(selfcheck.SelfChecks, name))
-          for name in _CHECK_METHODS)]
+        (selfcheck.SelfChecks, name, getattr(selfcheck.SelfChecks, name))
+        for name in _CHECK_METHODS]
 
     def timed(self: Any, *args: Any) -> None:
         before_ns, before_calls = checks.ns, checks.calls

@@ -238,9 +238,9 @@ def test_a_bad_serve_mode_stops_the_start_with_one_line() -> None:
         check_setting_keys(_Config({"serve": "sidecar"}))
 
 
-def test_the_exporter_process_is_the_default_and_engine_the_opt_out() -> None:
+def test_the_engine_serves_by_default_and_the_exporter_process_is_the_opt_in() -> None:
     from kvmetrics.integrations.vllm.exporting import settings_for
 
-    assert settings_for(_Config({}), env={}).serve == "process"
-    assert settings_for(_Config({}), env={"KVMETRICS_SERVE": "engine"}).serve == "engine"
-    assert settings_for(_Config({"serve": "engine"}), env={}).serve == "engine"
+    assert settings_for(_Config({}), env={}).serve == "engine"
+    assert settings_for(_Config({}), env={"KVMETRICS_SERVE": "process"}).serve == "process"
+    assert settings_for(_Config({"serve": "process"}), env={}).serve == "process"

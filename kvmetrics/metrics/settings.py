@@ -79,8 +79,8 @@ SETTINGS: tuple[Setting, ...] = (
             "require client certificates signed by this CA"),
     Setting("KVMETRICS_METRICS_PORT_FILE", None, "text", "write the port bound there"),
     Setting("KVMETRICS_SERVE", "serve", "text",
-            "``process`` (default): a supervised exporter process serves; ``engine``: "
-            "the EngineCore serves"),
+            "``engine`` (default): the EngineCore serves; ``process``: a supervised "
+            "exporter process serves"),
     Setting("KVMETRICS_SCRAPE_MAX_AGE_S", None, "number",
             "collect the page at most once per this many seconds", 0.0, 600.0),
     Setting("KVMETRICS_SCRAPE_RATE", None, "number",

@@ -96,7 +96,7 @@ class ExportSettings:
     #: Families this vLLM cannot compute (an unusable hook): never on the page.
     absent_families: frozenset[str] = frozenset()
     #: One of :data:`SERVE_MODES` (as set: :func:`check_setting_keys` refuses others).
-    serve: str = "process"
+    serve: str = "engine"
 
 
 #: Every key ``additional_config["kvmetrics"]`` may hold.
@@ -208,7 +208,7 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
         "tls_cert": env.get("KVMETRICS_TLS_CERT") or None,
         "tls_key": env.get("KVMETRICS_TLS_KEY") or None,
         "tls_client_ca": env.get("KVMETRICS_TLS_CLIENT_CA") or None,
-        "serve": env.get("KVMETRICS_SERVE") or "process",
+        "serve": env.get("KVMETRICS_SERVE") or "engine",
     }
     extra = getattr(vllm_config, "additional_config", None)
     if isinstance(extra, dict) and isinstance(extra.get("kvmetrics"), dict):
