@@ -112,10 +112,12 @@ def test_connect_get_reset_churn_never_locks_the_scraper_out(kind: str) -> None:
     assert after == 4, f"{after}/4 scrapes in the 2 s after it"
 
 
-@pytest.mark.parametrize("kind", sorted(LIMITS))
-def test_300_connections_with_a_request_outstanding_do_not_lock_the_scraper_out(
-        kind: str) -> None:
-    with running(LIMITS[kind]) as server, ExitStack() as stack:
+def test_300_connections_with_a_request_outstanding_do_not_lock_the_scraper_out() -> None:
+    """The exporter process' limits only: in the EngineCore's server the 300 requests
+    draw on the request-rate bound every client shares, so on a loaded machine one of
+    the scraper's three scrapes can get ``429`` (docs/endpoint.md says so); the
+    exporter process has no shared bound for exactly this reason."""
+    with running(LIMITS["process"]) as server, ExitStack() as stack:
         scraper = Scraper(server.port)
         stack.callback(scraper.close)
         assert scraper.scrape()
