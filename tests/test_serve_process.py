@@ -238,9 +238,85 @@ def test_a_bad_serve_mode_stops_the_start_with_one_line() -> None:
         check_setting_keys(_Config({"serve": "sidecar"}))
 
 
-def test_the_engine_serves_by_default_and_the_exporter_process_is_the_opt_in() -> None:
+def _default_mode_in_child(answers: Any) -> None:
+    from kvmetrics.integrations.vllm.exporting import settings_for
+
+    answers.put(settings_for(_Config({}), env={}).serve)
+
+
+def test_an_engine_core_of_its_own_serves_from_a_process_and_an_in_process_one_itself() -> None:
+    """``vllm serve`` starts the EngineCore with multiprocessing: the exporter process
+    serves there. An engine inside the caller's process serves itself, since serving
+    from another process would switch that whole process's prometheus-client."""
+    import multiprocessing
+
     from kvmetrics.integrations.vllm.exporting import settings_for
 
     assert settings_for(_Config({}), env={}).serve == "engine"
     assert settings_for(_Config({}), env={"KVMETRICS_SERVE": "process"}).serve == "process"
-    assert settings_for(_Config({"serve": "process"}), env={}).serve == "process"
+    assert settings_for(_Config({"serve": "engine"}), env={}).serve == "engine"
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    child = context.Process(target=_default_mode_in_child, args=(answers,))
+    child.start()
+    try:
+        assert answers.get(timeout=120) == "process"
+    finally:
+        child.join(60)
+    assert child.exitcode == 0
+
+
+_TWO_EXPORTERS = """
+import os, sys, urllib.request
+from kvmetrics.exporters import process
+from kvmetrics.exporters.prometheus_internals import values_in_memory
+
+def status(child):
+    with urllib.request.urlopen(child.url + "metrics", timeout=30) as r:
+        return r.status
+
+first = process.start_serve_process(("127.0.0.1", 0), None)
+second = process.start_serve_process(("127.0.0.1", 0), None)
+shared = first.settings.directory
+assert second.settings.directory == shared
+assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == shared and not values_in_memory()
+first.stop()
+assert os.path.isdir(shared) and status(second) == 200
+second.stop()
+assert not os.path.exists(shared)
+assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ and values_in_memory()
+third = process.start_serve_process(("127.0.0.1", 0), None)
+assert third.settings.directory != shared and status(third) == 200
+third.stop()
+assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ and values_in_memory()
+print("ok")
+"""
+
+
+def test_exporters_of_one_process_share_its_directory_until_the_last_one_stops() -> None:
+    """Engines built one after another in one process each start an exporter: one that
+    stops leaves the directory to the others, and the last one puts the process back
+    as it was (no stale ``PROMETHEUS_MULTIPROC_DIR`` for the next engine)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    done = subprocess.run([sys.executable, "-c", _TWO_EXPORTERS], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_exporter_counts_a_file_it_leaves_out_of_the_page(engines: list[Engine]) -> None:
+    engine = Engine("process")
+    engines.append(engine)
+    (Path(engine.info["dir"]) / "counter_4242.db").write_bytes(b"\x00" * 3)  # no header
+
+    def left_out() -> float:
+        return sum(s.value for family in text_string_to_metric_families(_page(engine.port))
+                   if family.name == "kvmetrics_scrape_errors" for s in family.samples
+                   if s.labels == {"model_name": "default", "engine": "0",
+                                   "reason": "unreadable_multiprocess_file"})
+
+    assert _counter_sums(_page(engine.port))  # the page is served without the file
+    deadline = time.monotonic() + 30
+    while left_out() < 1:  # counted in the exporter's own file, written within 0.1 s
+        assert time.monotonic() < deadline, "the left-out file was never counted"
+        time.sleep(0.2)

@@ -16,6 +16,7 @@ the port it had bound.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import socket
@@ -26,7 +27,11 @@ import threading
 from dataclasses import dataclass
 
 from kvmetrics.exporters.prometheus import multiprocess_dir
-from kvmetrics.exporters.prometheus_internals import switch_to_multiprocess_values
+from kvmetrics.exporters.prometheus_internals import (
+    switch_to_memory_values,
+    switch_to_multiprocess_values,
+    values_in_memory,
+)
 from kvmetrics.exporters.tls import TLSOptions
 from kvmetrics.metrics.logs import get_logger
 
@@ -41,6 +46,8 @@ MAX_RESTART_DELAY_S = 30.0
 #: A report line is short; anything longer is cut (a child that misbehaves cannot make
 #: the engine buffer without bound).
 _MAX_REPORT_BYTES = 4096
+#: What the engine sends before it closes its end of the lifeline on purpose.
+ENGINE_LIVES = b"k"
 
 
 class ServeFailed(Exception):
@@ -64,6 +71,79 @@ def use_multiprocess_values(directory: str) -> None:
     switch_to_multiprocess_values()
 
 
+@dataclass
+class _PrivateDirectory:
+    """The private directory of this process's values and the exporters that serve it.
+
+    Engines built one after another in one process (tests, the lab) each start an
+    exporter; they share one directory, made by the first and removed, with the
+    environment and prometheus-client's value class put back as they were, when the
+    last one stops. An engine that dies leaves the removal to its exporters.
+    """
+
+    path: str
+    #: Exporters of this process serving ``path`` now.
+    users: int
+    #: ``PROMETHEUS_MULTIPROC_DIR`` before this process set it (None: unset).
+    env_before: str | None
+    #: Whether prometheus-client wrote values in memory before (then it does again).
+    values_in_memory_before: bool
+
+
+_private: _PrivateDirectory | None = None
+_private_lock = threading.Lock()
+
+
+def own_private_directory() -> str | None:
+    """The private directory this process's exporters serve, if one is in use: a
+    ``PROMETHEUS_MULTIPROC_DIR`` equal to it was set by kvmetrics, not by the user."""
+    private = _private
+    return None if private is None else private.path
+
+
+def _lease_directory() -> tuple[str, bool]:
+    """(the directory this engine's values go to, whether it is kvmetrics' own)."""
+    global _private
+    with _private_lock:
+        directory = multiprocess_dir()
+        if _private is not None and directory == _private.path:
+            _private.users += 1
+            return directory, True
+        if directory is not None:
+            return directory, False  # the user's: never removed by kvmetrics
+        try:
+            path = private_multiprocess_dir()
+        except OSError as e:  # TMPDIR missing, full or not writable
+            raise ServeFailed(f"cannot make a directory for the metric files: "
+                              f"{e.strerror or e}") from None
+        _private = _PrivateDirectory(path, 1, os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
+                                     values_in_memory())
+        return path, True
+
+
+def _release_directory(path: str) -> None:
+    """One exporter of ``path`` is gone; the last one removes it and puts back the
+    environment and value class this process had."""
+    global _private
+    with _private_lock:
+        private = _private
+        if private is None or private.path != path:  # made by hand (a benchmark)
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        private.users -= 1
+        if private.users > 0:
+            return
+        _private = None
+        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR") == path:
+            if private.env_before is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = private.env_before
+        if private.values_in_memory_before:
+            switch_to_memory_values()
+
+
 @dataclass(frozen=True)
 class ChildSettings:
     """What the child is told: where the files are, where and how to serve them."""
@@ -76,6 +156,9 @@ class ChildSettings:
     client_cafile: str | None = None
     #: The child removes the directory when the engine is gone (a private one).
     owns_directory: bool = False
+    #: The engine's ``model_name`` and ``engine`` labels, which the child's own count
+    #: of the files it leaves out of a page carries.
+    labels: tuple[str, str] = ("default", "0")
 
     def argv(self, lifeline_fd: int) -> list[str]:
         args = [sys.executable, "-m", "kvmetrics.exporters.serve_process",
@@ -87,7 +170,7 @@ class ChildSettings:
                 args += [flag, value]
         if self.owns_directory:
             args.append("--owns-dir")
-        return args
+        return args + ["--model-name", self.labels[0], "--engine", self.labels[1]]
 
 
 class ServeProcess:
@@ -183,13 +266,13 @@ class ServeProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         """End the child (EOF on its lifeline, then SIGKILL past ``timeout``) and, for a
-        private directory, remove it."""
+        private directory, let it go (removed once no exporter of this process serves it)."""
         self._stopping.set()
         self._end_child(timeout)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         if self.settings.owns_directory:
-            shutil.rmtree(self.settings.directory, ignore_errors=True)
+            _release_directory(self.settings.directory)
 
     def _end_child(self, timeout: float = 10.0) -> None:
         self._close_lifeline()
@@ -203,36 +286,35 @@ class ServeProcess:
             process.wait()
 
     def _close_lifeline(self) -> None:
+        """Close the engine's end. The byte sent first tells a child that is still
+        there that the engine lives on (a stop, not a death): it keeps the directory."""
         if self._lifeline is not None:
+            with contextlib.suppress(OSError):
+                self._lifeline.send(ENGINE_LIVES, socket.MSG_NOSIGNAL)
             with contextlib.suppress(OSError):
                 self._lifeline.close()
             self._lifeline = None
 
 
-def start_serve_process(where: tuple[str, int], tls: TLSOptions | None) -> ServeProcess:
+def start_serve_process(where: tuple[str, int], tls: TLSOptions | None,
+                        labels: tuple[str, str] = ("default", "0")) -> ServeProcess:
     """Start the exporter of this engine on ``where`` and make this process write its
     values to the files it serves; ServeFailed (nothing changed, nothing left) when it
     cannot serve.
 
-    The files are the user's ``PROMETHEUS_MULTIPROC_DIR`` if set, else a private
-    directory made here and removed with the exporter. Call before the engine's sink
-    makes its first metric.
+    The files are the user's ``PROMETHEUS_MULTIPROC_DIR`` if set, else this process's
+    private directory (:class:`_PrivateDirectory`), removed with its last exporter.
+    Call before the engine's sink makes its first metric.
     """
-    directory = multiprocess_dir()
-    owns = directory is None
-    if directory is None:
-        try:
-            directory = private_multiprocess_dir()
-        except OSError as e:  # TMPDIR missing, full or not writable
-            raise ServeFailed(f"cannot make a directory for the metric files: "
-                              f"{e.strerror or e}") from None
+    directory, owns = _lease_directory()
     tls = tls or TLSOptions()
     child = ServeProcess(ChildSettings(directory, where[0], where[1], tls.certfile,
-                                       tls.keyfile, tls.client_cafile, owns_directory=owns))
+                                       tls.keyfile, tls.client_cafile, owns_directory=owns,
+                                       labels=labels))
     try:
         child.start()
     except ServeFailed:
-        child.stop()
+        child.stop()  # lets the directory go, too
         raise
     use_multiprocess_values(directory)
     return child
@@ -241,8 +323,7 @@ def start_serve_process(where: tuple[str, int], tls: TLSOptions | None) -> Serve
 def _with_port(settings: ChildSettings, port: int) -> ChildSettings:
     """The same settings on the port bound: a restarted child keeps the address that
     scrapers and the port file know, also when port 0 was asked for."""
-    return ChildSettings(settings.directory, settings.host, port, settings.certfile,
-                         settings.keyfile, settings.client_cafile, settings.owns_directory)
+    return dataclasses.replace(settings, port=port)
 
 
 def _read_report(sock: socket.socket, timeout: float) -> str:

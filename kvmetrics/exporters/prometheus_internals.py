@@ -13,9 +13,9 @@ Private names used here, and why:
   one series, so that its ``_created`` sample can be left out per metric. The public
   ``disable_created_metrics()`` is process-wide and would change vLLM's own page too.
 - ``prometheus_client.values.ValueClass``, ``MutexValue`` and ``MultiProcessValue``
-  (:func:`switch_to_multiprocess_values`): the value class is chosen once, at import,
-  from ``PROMETHEUS_MULTIPROC_DIR``; in a vLLM EngineCore that import happened long
-  before kvmetrics runs.
+  (:func:`switch_to_multiprocess_values` and its undoing): the value class is chosen
+  once, at import, from ``PROMETHEUS_MULTIPROC_DIR``; in a vLLM EngineCore that import
+  happened long before kvmetrics runs.
 """
 
 from __future__ import annotations
@@ -32,6 +32,17 @@ def switch_to_multiprocess_values() -> None:
     class when it was first imported. Values made earlier stay in memory."""
     if values.ValueClass is values.MutexValue:
         values.ValueClass = values.MultiProcessValue()
+
+
+def values_in_memory() -> bool:
+    """Whether this process's prometheus-client keeps new values in memory (no files)."""
+    return values.ValueClass is values.MutexValue
+
+
+def switch_to_memory_values() -> None:
+    """Undo :func:`switch_to_multiprocess_values`: values made from now on are kept in
+    memory again (those made meanwhile keep their files)."""
+    values.ValueClass = values.MutexValue
 
 
 class CounterWithoutCreated(Counter):

@@ -8,10 +8,12 @@ server has neither, and a process of its own does not make an unbounded server s
 for the scrapers that share it.
 
 It reports one line over the lifeline socket the engine passed it (``bound PORT URL``
-or ``error REASON``) and then waits for EOF there: the engine closes its end to stop
-it, and the kernel closes it when the engine dies in any way. It also asks for
-SIGTERM when its parent dies (Linux). When the engine is gone (EOF on the lifeline)
-and the directory is the engine's private one, it removes the directory.
+or ``error REASON``) and then waits for EOF there: the engine sends one byte and
+closes its end to stop it, and the kernel closes it when the engine dies in any way.
+It also asks for SIGTERM when its parent dies (Linux). When the engine died (EOF
+without that byte) and the directory is the engine's private one, it removes the
+directory; a stopped exporter leaves it to the engine, whose other exporters may
+still serve it.
 """
 
 from __future__ import annotations
@@ -30,9 +32,16 @@ import sys
 from prometheus_client import CollectorRegistry
 
 from kvmetrics.exporters.admission import ServerLimits
+from kvmetrics.exporters.mmap_space import reserve_multiprocess_space
 from kvmetrics.exporters.multiprocess import TolerantMultiProcessCollector
+from kvmetrics.exporters.process import ENGINE_LIVES
 from kvmetrics.exporters.prometheus import serve
+from kvmetrics.exporters.prometheus_internals import (
+    CounterWithoutCreated,
+    switch_to_multiprocess_values,
+)
 from kvmetrics.exporters.tls import TLSConfigError, TLSOptions
+from kvmetrics.metrics.catalogue import SCRAPE_ERRORS
 
 _PR_SET_PDEATHSIG = 1
 #: No request-rate bound by default: what the bound protects in the engine (the GIL
@@ -52,6 +61,39 @@ def _die_with_parent() -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+class _LeftOutFiles:
+    """The exporter's count of the files it leaves out of a page, under the engine's
+    ``kvmetrics_scrape_errors_total``. It goes to a value file of the exporter's own in
+    the directory it serves, so the page merges it into that family (the engine writes
+    its own reasons there); a family of the same name served beside it would make the
+    page one Prometheus refuses. A restarted exporter's counts add to the last one's,
+    whose file stays."""
+
+    def __init__(self, directory: str, labels: tuple[str, str]) -> None:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+        reserve_multiprocess_space()
+        switch_to_multiprocess_values()
+        self._counter = CounterWithoutCreated(SCRAPE_ERRORS.base_name, SCRAPE_ERRORS.help,
+                                              SCRAPE_ERRORS.label_names, registry=None)
+        self._labels = labels
+        self._warned = False
+
+    def unreadable(self, _path: str) -> None:
+        self._count("unreadable_multiprocess_file")
+
+    def over_budget(self, _path: str) -> None:
+        self._count("multiprocess_file_over_budget")
+
+    def _count(self, reason: str) -> None:
+        try:
+            self._counter.labels(*self._labels, reason).inc()
+        except Exception as e:  # the directory refuses the file: the page is served on
+            if not self._warned:
+                self._warned = True
+                logging.getLogger("kvmetrics").warning(
+                    "cannot count the files left out of the page: %s", e)
 
 
 def _report(lifeline: socket.socket, line: str) -> None:
@@ -85,6 +127,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tls-key")
     parser.add_argument("--tls-client-ca")
     parser.add_argument("--owns-dir", action="store_true")
+    parser.add_argument("--model-name", default="default")
+    parser.add_argument("--engine", default="0")
     return parser.parse_args(argv)
 
 
@@ -110,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(args.dir, ignore_errors=True)
         return 0
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(TolerantMultiProcessCollector(args.dir, on_bad_file=lambda _path: None))
+    left_out = _LeftOutFiles(args.dir, (args.model_name, args.engine))
+    registry.register(TolerantMultiProcessCollector(args.dir, on_bad_file=left_out.unreadable,
+                                                    on_over_budget=left_out.over_budget))
     tls = TLSOptions(certfile=args.tls_cert, keyfile=args.tls_key,
                      client_cafile=args.tls_client_ca)
     try:
@@ -122,19 +168,25 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, OverflowError) as e:
         _report(lifeline, f"error {_bind_reason(e)}")
         return 1
-    engine_gone = False
+    engine_gone = stopped = False
     try:
         _report(lifeline, f"bound {server.port} {server.url}")
+        said = b""
         with contextlib.suppress(OSError):
-            while lifeline.recv(64):  # the engine sends nothing: this returns at EOF
-                pass
+            # The engine sends one byte only when it stops us on purpose, then closes:
+            # this returns at EOF either way.
+            while chunk := lifeline.recv(64):
+                said += chunk[:1]
         exiting = True
-        engine_gone = True  # stopping us, or dead: either way it writes no more
+        # Stopped (the engine lives on, and other exporters of it may share the
+        # directory: it removes the directory itself), or dead.
+        stopped = ENGINE_LIVES in said
+        engine_gone = not stopped
     finally:
         exiting = True
         # A SIGTERM of our own (someone killed the exporter alone) keeps the files: the
         # engine lives, writes on and starts another exporter.
-        if args.owns_dir and (engine_gone or _at_eof(lifeline)):
+        if args.owns_dir and not stopped and (engine_gone or _at_eof(lifeline)):
             shutil.rmtree(args.dir, ignore_errors=True)
         server.stop()
     return 0

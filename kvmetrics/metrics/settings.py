@@ -79,8 +79,10 @@ SETTINGS: tuple[Setting, ...] = (
             "require client certificates signed by this CA"),
     Setting("KVMETRICS_METRICS_PORT_FILE", None, "text", "write the port bound there"),
     Setting("KVMETRICS_SERVE", "serve", "text",
-            "``engine`` (default): the EngineCore serves; ``process``: a supervised "
-            "exporter process serves"),
+            "``process`` (default where the EngineCore has a process of its own, as "
+            "under ``vllm serve``): a supervised exporter process serves; ``engine`` "
+            "(default where vLLM runs the engine in the caller's process): the "
+            "EngineCore serves"),
     Setting("KVMETRICS_SCRAPE_MAX_AGE_S", None, "number",
             "collect the page at most once per this many seconds", 0.0, 600.0),
     Setting("KVMETRICS_SCRAPE_RATE", None, "number",

@@ -41,13 +41,19 @@ directory instead (the one vLLM's API server reads when it is set before
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmetrics.exporters.process import ServeFailed, ServeProcess, start_serve_process
+from kvmetrics.exporters.process import (
+    ServeFailed,
+    ServeProcess,
+    own_private_directory,
+    start_serve_process,
+)
 from kvmetrics.exporters.prometheus import (
     MetricsServer,
     PrometheusSink,
@@ -74,6 +80,15 @@ DEFAULT_METRICS_ADDR = "127.0.0.1:9401"
 _OFF = ("", "off", "none", "0", "false", "no")
 #: Where ``/metrics`` is served from: the EngineCore itself, or a process of its own.
 SERVE_MODES = ("engine", "process")
+
+
+def default_serve_mode() -> str:
+    """``process`` where the EngineCore runs in a process of its own (``vllm serve``
+    starts it with multiprocessing), ``engine`` where vLLM runs it inside the caller's
+    process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, tests, the lab): serving from another
+    process sets ``PROMETHEUS_MULTIPROC_DIR`` and prometheus-client's value class for
+    the whole process, which kvmetrics does only in a process vLLM made for the engine."""
+    return "engine" if multiprocessing.parent_process() is None else "process"
 
 
 @dataclass
@@ -208,7 +223,7 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
         "tls_cert": env.get("KVMETRICS_TLS_CERT") or None,
         "tls_key": env.get("KVMETRICS_TLS_KEY") or None,
         "tls_client_ca": env.get("KVMETRICS_TLS_CLIENT_CA") or None,
-        "serve": env.get("KVMETRICS_SERVE") or "engine",
+        "serve": env.get("KVMETRICS_SERVE") or default_serve_mode(),
     }
     extra = getattr(vllm_config, "additional_config", None)
     if isinstance(extra, dict) and isinstance(extra.get("kvmetrics"), dict):
@@ -219,7 +234,8 @@ def settings_for(vllm_config: Any, env: Mapping[str, str] | None = None) -> Expo
                      client_cafile=values["tls_client_ca"] or None)
     addr = values["metrics_addr"]
     if addr is None:
-        addr = None if multiprocess_dir() else DEFAULT_METRICS_ADDR
+        users_dir = multiprocess_dir() not in (None, own_private_directory())
+        addr = None if users_dir else DEFAULT_METRICS_ADDR
     elif str(addr).strip().lower() in _OFF:
         addr = None
     return ExportSettings(
@@ -317,7 +333,8 @@ def build_exporter(settings: ExportSettings) -> Exporter:
     where, child = _where(settings), None
     if where is not None and settings.serve == "process":
         # Before the sink makes its first metric: its values must go to the files.
-        child = _start_serve_process(where, settings.tls)
+        child = _start_serve_process(where, settings.tls,
+                                     (settings.model_name, settings.engine))
         where = None
     sink = PrometheusSink()
     sinks: list[MetricSink] = [sink, *settings.extra_sinks]
@@ -351,11 +368,12 @@ def _where(settings: ExportSettings) -> tuple[str, int] | None:
         return None
 
 
-def _start_serve_process(where: tuple[str, int], tls: TLSOptions | None) -> ServeProcess | None:
+def _start_serve_process(where: tuple[str, int], tls: TLSOptions | None,
+                         labels: tuple[str, str]) -> ServeProcess | None:
     """The exporter process, announced only once it has bound; None, with one error
     line, when it cannot serve (the engine then records in memory, as with no endpoint)."""
     try:
-        child = start_serve_process(where, tls)
+        child = start_serve_process(where, tls, labels)
     except ServeFailed as e:
         _log_bind_error(_shown(*where), str(e))
         return None
