@@ -44,6 +44,11 @@ RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) resc
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULER = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+#: kvmetrics' page counts as settled when two reads this far apart agree: three rounds
+#: of the engine's value-file writer (kvmetrics.exporters.value_watcher.FLUSH_INTERVAL_S).
+SETTLE_S = 0.3
+#: A page still changing after this long (an engine still working) is returned as read.
+SETTLE_TIMEOUT_S = 10.0
 
 #: A tiny Llama: 2 layers, 2 heads of 64, vocabulary 1024, float32 (~2 MB of weights).
 def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
@@ -362,11 +367,24 @@ class VllmServer:
         return self._get(f"{self.url}/metrics", "vLLM API server")
 
     def kvmetrics_metrics(self) -> str:
+        """kvmetrics' page once it has settled: two reads :data:`SETTLE_S` apart that
+        agree. Under ``vllm serve`` an exporter process serves the engine's value files,
+        which the engine's writer thread brings up to date every 0.1 s, so a page read
+        right after a response may not hold the last steps' counts yet; the engine is
+        idle after a response, so the page settles within one round."""
         if not self.kvmetrics_port:
             raise ServerError(f"{self.name}: no kvmetrics endpoint reported its port "
                               f"(KVMETRICS_METRICS_PORT_FILE):\n{self.log_tail()}")
-        return self._get(f"http://127.0.0.1:{self.kvmetrics_port}/metrics",
-                         "kvmetrics endpoint in the EngineCore")
+        url = f"http://127.0.0.1:{self.kvmetrics_port}/metrics"
+        page = self._get(url, "kvmetrics endpoint")
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            time.sleep(SETTLE_S)
+            again = self._get(url, "kvmetrics endpoint")
+            if again == page:
+                break
+            page = again
+        return page
 
     def scrape_report(self, last: int = 12) -> str:
         """The last scrapes, and every failed or slow one, for a timeout's message."""
