@@ -24,8 +24,6 @@ whole module about 75 s.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from benchmarks.vllm_server import (
@@ -95,18 +93,11 @@ def test_roomy_cache_counts_equal_vllms(server: VllmServer) -> None:
 
 def test_tight_cache_with_preemptions_counts_equal_vllms(server: VllmServer) -> None:
     prompts = greedy_prompts(16, seed=3, lengths=(90, 130, 170))
-    statuses: list[int] = []
-
-    def send(prompt: list[int]) -> None:
-        status, body = server.complete(prompt, max_tokens=48, timeout=300)
-        statuses.append(status)
-
-    threads = [threading.Thread(target=send, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert statuses == [200] * len(prompts)
+    # Queued while the engine is paused and admitted together: the cache is then too
+    # small for all of them whatever the threads' timing, so vLLM must preempt.
+    answers = server.complete_queued_together(
+        {str(i): prompt for i, prompt in enumerate(prompts)}, max_tokens=48)
+    assert [status for status, _ in answers.values()] == [200] * len(prompts)
     pairs = both_sides(server, finished=6 + len(prompts))
     assert {k: a for k, (a, _) in pairs.items()} == {k: b for k, (_, b) in pairs.items()}
     preemptions = pairs["kvmetrics_preemptions_total{}"][0]
