@@ -82,7 +82,7 @@ class Switch:
     """Switches one instrumented scheduler between its code paths."""
 
     def __init__(self, sched: Any) -> None:
-        from kvmetrics.integrations.vllm import hooks
+        from kvmetrics.vllm import hooks
 
         self.sched = sched
         self.base = hooks.vllm_base(type(sched))
@@ -121,7 +121,7 @@ class ServerClock:
 
 def _staggered(requests: list[Any]) -> list[Any]:
     """Cut request i's prompt by i mod 16 tokens (block allocations spread over steps)."""
-    from kvmetrics.engine.tokens import ExplicitTokens
+    from kvmetrics.lab.engine.tokens import ExplicitTokens
 
     for i, request in enumerate(requests):
         ids = request.prompt.tokens(0, len(request.prompt))
@@ -181,8 +181,8 @@ def measure(n: int, cycles: int, step_ms: float, seed: int,
     (rounded up to whole balanced blocks), kvmetrics' clock at ``step_ms`` a step."""
     from benchmarks.bench_vllm import _requests, _vllm_engine
     from kvmetrics.exporters.prometheus import PrometheusSink
-    from kvmetrics.integrations.vllm import step_end
     from kvmetrics.metrics.pipeline import MetricsPipeline
+    from kvmetrics.vllm import step_end
 
     engine = _vllm_engine(n, True)
     sched = engine.scheduler

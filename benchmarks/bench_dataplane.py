@@ -1,7 +1,7 @@
 """Benchmark of the KV data plane: batched block loads and the verifier's cost.
 
 1. **Load bandwidth.** The data plane's batched store->cache load
-   (:class:`kvmetrics.kv.copy.BlockCopier`) against a plain contiguous ``copy_``
+   (:class:`kvmetrics.lab.kv.copy.BlockCopier`) against a plain contiguous ``copy_``
    of the same number of bytes from the same host tensor into the same cache,
    measured in the same run, interleaved, best of ``--repeat`` each (the least
    disturbed by other work on the machine), as a ratio (target >= 0.8 for 64 KiB
@@ -28,10 +28,10 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import Row
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.kv.copy import BlockCopier
-from kvmetrics.kv.device import resolve_device
-from kvmetrics.kv.harness import build_engine, drive, shared_prefix_jobs
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.kv.copy import BlockCopier
+from kvmetrics.lab.kv.device import resolve_device
+from kvmetrics.lab.kv.harness import build_engine, drive, shared_prefix_jobs
 
 TARGET_RATIO = 0.8
 #: The block size (bytes) and layout the target applies to.

@@ -34,7 +34,7 @@ PREFIX, OWN, FAILED_BLOCK = 512, 64, 4
 
 def _workload(target: Any, sharers: int, later: int) -> tuple[int, int]:
     """(tokens scheduled in all, local-hit tokens of wave 2) on ``target``."""
-    from kvmetrics.integrations.vllm_lab import canaries
+    from kvmetrics.lab.vllm import canaries
 
     with canaries.on_target(target):
         b = canaries.bench("recompute", num_gpu_blocks=1024, max_model_len=2048,
@@ -63,9 +63,9 @@ def _workload(target: Any, sharers: int, later: int) -> tuple[int, int]:
 
 
 def _variants(scratch: Path) -> list[tuple[str, Any]]:
-    from kvmetrics.integrations.vllm_lab.canaries import VLLM
-    from kvmetrics.integrations.vllm_lab.canary_bench import PROTECTED
-    from kvmetrics.integrations.vllm_lab.patched import installed_series, patched_target
+    from kvmetrics.lab.vllm.canaries import VLLM
+    from kvmetrics.lab.vllm.canary_bench import PROTECTED
+    from kvmetrics.lab.vllm.patched import installed_series, patched_target
 
     patches = installed_series()
     found: list[tuple[str, Any]] = [("vLLM (reuses the failed KV)", VLLM)]

@@ -187,10 +187,10 @@ def measure_idle(rounds: int, per_scraper: int) -> dict[str, list[float]]:
 
 def _engine_run(sink: object, items: list[object]) -> tuple[float, float]:
     """Wall and CPU seconds of one reference-engine run recording into ``sink``."""
-    from kvmetrics.engine.executor import SimulatedExecutor
-    from kvmetrics.engine.loop import EngineLoop
-    from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
-    from kvmetrics.lab.engines import make_request
+    from kvmetrics.lab.engine.executor import SimulatedExecutor
+    from kvmetrics.lab.engine.loop import EngineLoop
+    from kvmetrics.lab.engine.scheduler import Scheduler, SchedulerConfig
+    from kvmetrics.lab.engine_registry import make_request
     from kvmetrics.metrics.pipeline import MetricsPipeline
 
     t0, c0 = time.perf_counter(), time.thread_time()

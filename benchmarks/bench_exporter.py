@@ -17,14 +17,14 @@ from prometheus_client import (
 )
 
 from benchmarks.common import Row, interleaved_cpu_ratios, interleaved_ratio
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.loop import EngineLoop
-from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
 from kvmetrics.exporters import prometheus
 from kvmetrics.exporters.pages import render_page
 from kvmetrics.exporters.prometheus import PrometheusSink
 from kvmetrics.lab import synthetic
-from kvmetrics.lab.engines import make_request
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.loop import EngineLoop
+from kvmetrics.lab.engine.scheduler import Scheduler, SchedulerConfig
+from kvmetrics.lab.engine_registry import make_request
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement, StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline

@@ -7,14 +7,14 @@ import random
 import time
 
 from benchmarks.common import Row, best_time, interleaved_ratio
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.loop import EngineLoop
-from kvmetrics.engine.recovery import handle_invalid_blocks
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
 from kvmetrics.exporters.prometheus import PrometheusSink
-from kvmetrics.instrument.wrapper import InstrumentedEngine
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.loop import EngineLoop
+from kvmetrics.lab.engine.recovery import handle_invalid_blocks
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import Scheduler, SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.instrument import InstrumentedEngine
 from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
 

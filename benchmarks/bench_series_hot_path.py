@@ -28,8 +28,8 @@ from benchmarks.common import Row
 def _per_step(target: Any, batch: int, steps: int) -> tuple[float, float]:
     """The fastest step's (update_from_output, schedule) seconds, ``batch`` requests
     decoding (the minimum is the estimate least disturbed by other load on the machine)."""
-    from kvmetrics.integrations.vllm_lab import canaries
-    from kvmetrics.integrations.vllm_lab.compat import runner_output
+    from kvmetrics.lab.vllm import canaries
+    from kvmetrics.lab.vllm.compat import runner_output
 
     with canaries.on_target(target):
         b = canaries.bench("recompute", num_gpu_blocks=8 * batch + 64, max_model_len=2048,
@@ -55,8 +55,8 @@ def _per_step(target: Any, batch: int, steps: int) -> tuple[float, float]:
 
 
 def run(quick: bool = False) -> list[Row]:
-    from kvmetrics.integrations.vllm_lab.canaries import VLLM, vllm_version
-    from kvmetrics.integrations.vllm_lab.patched import installed_series, patched_target
+    from kvmetrics.lab.vllm.canaries import VLLM, vllm_version
+    from kvmetrics.lab.vllm.patched import installed_series, patched_target
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     logging.getLogger("vllm").setLevel(logging.ERROR)

@@ -19,14 +19,14 @@ from typing import Any
 
 from benchmarks import vllm_added_cost
 from benchmarks.common import Row
-from kvmetrics.engine.connector import StoreConnector
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.loop import EngineLoop
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
 from kvmetrics.exporters.prometheus import PrometheusSink
+from kvmetrics.lab.engine.connector import StoreConnector
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.loop import EngineLoop
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import Scheduler, SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
 PROMPT = 64
@@ -69,8 +69,8 @@ def _requests(n: int, seed: int = 0) -> list[Request]:
 
 
 def _vllm_engine(n: int, instrumented: bool, blocks: int | None = None) -> Any:
-    from kvmetrics.integrations.vllm_lab import builder
-    from kvmetrics.integrations.vllm_lab.engine import VllmEngine
+    from kvmetrics.lab.vllm import builder
+    from kvmetrics.lab.vllm.engine import VllmEngine
 
     store = ExternalStoreIndex(4096)
     cls = builder.INSTRUMENTED if instrumented else "vllm.v1.core.sched.scheduler.Scheduler"

@@ -3,7 +3,7 @@
 ``scripts/gpu-check.sh`` runs each stage below in a process of its own under a time
 limit, then :mod:`benchmarks.gpu_report` merges the parts into one JSON file. Every
 stage builds the data plane exactly as the lab does (``resolve_device("cuda")``,
-:class:`~kvmetrics.kv.runner.TorchModelRunner`, :class:`~kvmetrics.kv.copy.BlockCopier`),
+:class:`~kvmetrics.lab.kv.runner.TorchModelRunner`, :class:`~kvmetrics.lab.kv.copy.BlockCopier`),
 so what passes here is the code kvmetrics ships, not a copy of it.
 
     python -m benchmarks.gpu_check preflight|load|verify|bench-load|bench-verify --part FILE
@@ -49,7 +49,7 @@ def stage_preflight(device: str = "cuda") -> dict[str, Any]:
     import numpy
     import torch
 
-    import kvmetrics.kv  # noqa: F401
+    import kvmetrics.lab.kv  # noqa: F401
 
     if device != "cuda":
         return {"device_type": "cpu", "torch": torch.__version__, "device": "cpu",
@@ -68,7 +68,7 @@ EVICTING = dict(num_gpu_blocks=24, max_num_seqs=2)
 
 
 def evicting_jobs(seed: int, abort_rate: float = 0.0) -> list[Any]:
-    from kvmetrics.kv.harness import shared_prefix_jobs
+    from kvmetrics.lab.kv.harness import shared_prefix_jobs
 
     return shared_prefix_jobs(seed, 32, spread=20, n_prefixes=6, prefix_len=32,
                               abort_rate=abort_rate)
@@ -87,10 +87,10 @@ def stage_load(device_spec: str = "cuda") -> dict[str, Any]:
     import torch
 
     from benchmarks.bench_dataplane import load_layout
-    from kvmetrics.engine.faults import FaultPlan
-    from kvmetrics.kv.copy import BlockCopier
-    from kvmetrics.kv.device import resolve_device, resolve_dtype
-    from kvmetrics.kv.harness import build_engine, drive
+    from kvmetrics.lab.engine.faults import FaultPlan
+    from kvmetrics.lab.kv.copy import BlockCopier
+    from kvmetrics.lab.kv.device import resolve_device, resolve_dtype
+    from kvmetrics.lab.kv.harness import build_engine, drive
 
     device = resolve_device(device_spec)
     on_gpu = device.type == "cuda"
@@ -141,7 +141,7 @@ def stage_load(device_spec: str = "cuda") -> dict[str, Any]:
 def _skipped_rollback() -> Iterator[None]:
     """A broken recovery: requests keep their pre-step token count instead of being
     truncated to their first failed block, so they later read the failed block's KV."""
-    import kvmetrics.engine.update as update
+    import kvmetrics.lab.engine.update as update
 
     original = update.handle_invalid_blocks
 
@@ -166,8 +166,8 @@ def stage_verify(device: str = "cuda") -> dict[str, Any]:
     broken one is caught naming the request that read the failed block."""
     import random
 
-    from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
-    from kvmetrics.kv.harness import Job, build_engine, drive, populate_store
+    from kvmetrics.lab.engine.faults import FaultPlan, ScriptedFailure
+    from kvmetrics.lab.kv.harness import Job, build_engine, drive, populate_store
 
     clean = build_engine(policy="recompute", load_mode="sync", faults=FaultPlan(rate=0.3, seed=3),
                          seed=3, device=device, strict=True, **EVICTING)
@@ -196,7 +196,7 @@ def stage_verify(device: str = "cuda") -> dict[str, Any]:
 
 def stage_bench_load(device: str = "cuda", repeat: int = 7) -> dict[str, Any]:
     from benchmarks.bench_dataplane import TARGET_CASE, TARGET_RATIO, bench_loads
-    from kvmetrics.kv.device import resolve_device
+    from kvmetrics.lab.kv.device import resolve_device
 
     rows = bench_loads(resolve_device(device), repeat)
     return {"ok": True, "repeat": repeat, "target": {"ratio": TARGET_RATIO,
@@ -207,7 +207,7 @@ def stage_bench_load(device: str = "cuda", repeat: int = 7) -> dict[str, Any]:
 
 def stage_bench_verify(device: str = "cuda", repeat: int = 4) -> dict[str, Any]:
     from benchmarks.bench_dataplane import bench_verification
-    from kvmetrics.kv.device import resolve_device
+    from kvmetrics.lab.kv.device import resolve_device
 
     return {"ok": True, "repeat": repeat,
             "rows": bench_verification(resolve_device(device), repeat)}

@@ -79,8 +79,8 @@ def measure(running: int, steps: int, step_ms: float) -> Costs:
     """The recorded part's thread CPU time (ns) of each recorded step of one run."""
     from benchmarks.bench_vllm import _vllm_engine
     from kvmetrics.exporters.prometheus import PrometheusSink
-    from kvmetrics.integrations.vllm import selfcheck, step_end
     from kvmetrics.metrics.pipeline import MetricsPipeline
+    from kvmetrics.vllm import selfcheck, step_end
 
     engine = _vllm_engine(running, True)
     sched = engine.scheduler

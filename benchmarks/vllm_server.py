@@ -42,7 +42,7 @@ RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) resc
                        r"\((\d+) tokens affected\)")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEDULER = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"
+SCHEDULER = "kvmetrics.vllm.scheduler.InstrumentedScheduler"
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 #: kvmetrics' page counts as settled when two reads this far apart agree: three rounds
 #: of the engine's value-file writer (kvmetrics.exporters.value_watcher.FLUSH_INTERVAL_S).
@@ -492,7 +492,7 @@ def connector_config(storage: Path, policy: str, **faults: Any) -> dict[str, Any
     """FaultInjectingConnector around ExampleConnector; a seeded half of loads fail."""
     return {
         "kv_connector": "FaultInjectingConnector",
-        "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
+        "kv_connector_module_path": "kvmetrics.faults.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": policy,
         "kv_connector_extra_config": {
             "inner_connector": "ExampleConnector",

@@ -14,9 +14,9 @@
 # Then, in that vLLM:
 # 1. the fingerprint diff: every function of the derived verified set that differs from
 #    the record of the same version, or else of the newest verified version
-#    (kvmetrics/integrations/vllm/fingerprints.py);
+#    (kvmetrics/vllm/fingerprints.py);
 # 2. the hook table against vLLM's classes: hooks missing or with another signature,
-#    attributes missing (kvmetrics/integrations/vllm/static_hooks.py);
+#    attributes missing (kvmetrics/vllm/static_hooks.py);
 # 3. the in-process suite, tests/test_vllm_*.py;
 # 4. the defect canaries, `kvmetrics vllm-check`.
 # --quick stops after 2. Nothing in the checkout changes. KVMETRICS_RELEASE_DIR keeps the
@@ -86,7 +86,7 @@ status=0
 summary=()
 
 echo "== fingerprints of the vLLM code kvmetrics depends on, and the hook table"
-"$PY" -m kvmetrics.integrations.vllm.static_hooks --fingerprints-against newest
+"$PY" -m kvmetrics.vllm.static_hooks --fingerprints-against newest
 checked=$?
 if [ "$checked" -eq 2 ] || [ "$checked" -gt 5 ]; then
   summary+=("fingerprints and hook table: could not run (above)")
@@ -101,7 +101,7 @@ else
   if [ $((checked & 4)) -eq 0 ]; then
     summary+=("hook table: every hook and attribute as expected")
   else
-    summary+=("hook table: BROKEN (listed above): adapt kvmetrics/integrations/vllm/hooks.py")
+    summary+=("hook table: BROKEN (listed above): adapt kvmetrics/vllm/hooks.py")
     status=1
   fi
 fi

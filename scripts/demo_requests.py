@@ -46,7 +46,7 @@ PAGE_AGE_S = 1.2
 
 RECOVERED = re.compile(r"Recovered from KV load failure: (\d+) request\(s\) rescheduled "
                        r"\((\d+) tokens affected\)")
-#: The fault connector's line, as it writes it (kvmetrics/integrations/vllm/faults.py).
+#: The fault connector's line, as it writes it (kvmetrics/faults/connector.py).
 INJECTED = re.compile(r"FaultInjectingConnector: failing load #\d+ of request \S+ \(\w+\): "
                       r"blocks \[[\d, ]*\]")
 BOUND = re.compile(r"kvmetrics: serving metrics on https?://([^/\s]+)/metrics")

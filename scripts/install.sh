@@ -67,7 +67,7 @@ step "installing torch" pip install -q -c "$CONSTRAINTS" "${KVMETRICS_TORCH_SPEC
 extras="dataplane,report"
 [ "$want_test" = 1 ] && extras="$extras,test"
 step "installing kvmetrics" pip install -q -c "$CONSTRAINTS" -e ".[$extras]"
-step "importing kvmetrics and its data plane" python -c 'import kvmetrics.kv, kvmetrics.cli.main'
+step "importing kvmetrics and its data plane" python -c 'import kvmetrics.lab.kv, kvmetrics.cli.main'
 
 if [ "$want_vllm" = 1 ]; then
   step "installing the light vLLM" bash scripts/install-vllm-light.sh

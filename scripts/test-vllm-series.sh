@@ -39,7 +39,7 @@
 # The light install has no GPU and no model weights: the tests run with
 # VLLM_TARGET_DEVICE=cpu, offline, with a config.json of facebook/opt-125m (the
 # model vLLM's test utils name) in a private HF cache, and with the pytest plugin
-# kvmetrics.integrations.vllm_lab.pytest_cpu_env (vLLM 0.34's CPU platform refuses
+# kvmetrics.lab.vllm.pytest_cpu_env (vLLM 0.34's CPU platform refuses
 # a config without Triton). Tests that still cannot run here fail on the release
 # as well; only tests passing on the release are held to passing patched.
 set -euo pipefail
@@ -48,7 +48,7 @@ REPO=$PWD
 PYTHON=${PYTHON:-$REPO/.venv/bin/python}
 CACHE=$REPO/.vllm-src
 # Patch numbers of the separate pull requests (SEPARATE in
-# kvmetrics/integrations/vllm_lab/series.py names the same files).
+# kvmetrics/lab/vllm/series.py names the same files).
 SEPARATE=(0005)
 
 usage_error() {
@@ -132,7 +132,7 @@ run_pytest() {  # run_pytest TREE VLLM_PATH JUNIT ARGS...
   shift 3
   (cd "$tree" && PYTHONPATH="${vllm_path:+$vllm_path:}$tree:$REPO" VLLM_TARGET_DEVICE=cpu \
      HF_HUB_OFFLINE=1 HF_HOME="$CACHE/hf" "$PYTHON" -m pytest -q -p no:cacheprovider \
-     -p kvmetrics.integrations.vllm_lab.pytest_cpu_env --confcutdir tests/v1 \
+     -p kvmetrics.lab.vllm.pytest_cpu_env --confcutdir tests/v1 \
      --continue-on-collection-errors --junitxml="$junit" "$@" > "$junit.log" 2>&1) || true
   [ -s "$junit" ] || { echo "pytest wrote no report, see $junit.log" >&2; return 1; }
 }

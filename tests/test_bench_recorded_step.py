@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import recorded_step_cost
-from kvmetrics.integrations.vllm import step_end
-from kvmetrics.integrations.vllm.scheduler import InstrumentedScheduler
+from kvmetrics.vllm import step_end
+from kvmetrics.vllm.scheduler import InstrumentedScheduler
 
 
 def test_the_periodic_reads_are_timed_and_everything_is_put_back() -> None:

@@ -26,7 +26,7 @@ import pytest
 
 from benchmarks.common import free_port
 from benchmarks.vllm_server import RECOVERED, stop_process_group, vllm_cpu_python
-from kvmetrics.integrations.vllm.exporting import LOGGER, ExportSettings, build_exporter
+from kvmetrics.vllm.exporting import LOGGER, ExportSettings, build_exporter
 from tests.lab_support import REPO
 
 

@@ -1,7 +1,7 @@
 """Every statement of the supported vLLM range agrees with the one place that defines it.
 
 The range is the set of vLLM versions kvmetrics was verified on
-(``kvmetrics/integrations/vllm/verified_vllm.json``, written by the fingerprint
+(``kvmetrics/vllm/verified_vllm.json``, written by the fingerprint
 recorder). A range written by hand in the README, a doc or a docstring ("0.28 to 0.33")
 goes stale the day a version is added; this test finds every range that starts at the
 oldest supported minor (or below it) and fails when its end is not the newest one.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvmetrics.integrations.vllm.fingerprints import load
+from kvmetrics.vllm.fingerprints import load
 
 ROOT = Path(__file__).resolve().parent.parent
 #: "0.28 to 0.34", "0.28-0.34", "0.28.0 to 0.34.0", "0.28–0.34", "0.28..0.34".

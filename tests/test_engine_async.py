@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvmetrics.engine.connector import StoreConnector
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.engine.loop import EngineLoop
-from kvmetrics.engine.outputs import SchedulerOutput
-from kvmetrics.engine.request import Request, RequestStatus
-from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
+from kvmetrics.lab.engine.connector import StoreConnector
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.engine.loop import EngineLoop
+from kvmetrics.lab.engine.outputs import SchedulerOutput
+from kvmetrics.lab.engine.request import Request, RequestStatus
+from kvmetrics.lab.engine.scheduler import Scheduler, SchedulerConfig
 from kvmetrics.metrics import catalogue as cat
 from tests.helpers.engine import block_hashes, fail_block, make_request, preload
 from tests.helpers.engine import tokens as token_range

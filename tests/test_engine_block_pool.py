@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvmetrics.engine.block_pool import BlockPool, KVBlock
+from kvmetrics.lab.engine.block_pool import BlockPool, KVBlock
 
 
 def _h(i: int) -> bytes:

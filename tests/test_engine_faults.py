@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan, FaultPlanError, ScriptedFailure
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan, FaultPlanError, ScriptedFailure
 
 GRID = [(step, f"req-{r}", idx) for step in range(1, 21) for r in range(10) for idx in range(10)]
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from kvmetrics.engine.hashing import ROOT_HASH, hash_block
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.tokens import VOCAB_SIZE, BlockSeededTokens, ExplicitTokens
+from kvmetrics.lab.engine.hashing import ROOT_HASH, hash_block
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.tokens import VOCAB_SIZE, BlockSeededTokens, ExplicitTokens
 from tests.helpers.engine import block_hashes, make_request
 
 
@@ -66,8 +66,8 @@ def test_output_tokens_extend_the_chain() -> None:
 
 _CHILD = """
 import sys
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.tokens import BlockSeededTokens, ExplicitTokens
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.tokens import BlockSeededTokens, ExplicitTokens
 for r in (Request("a", ExplicitTokens(range(0, 80)), 1, cache_salt="s"),
           Request("b", BlockSeededTokens([7, 11, 13], 1100, unit=512), 1)):
     r.update_block_hashes(16)

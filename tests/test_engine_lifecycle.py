@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvmetrics.engine.config import ConfigError
-from kvmetrics.engine.connector import StoreConnector, choose_load_mode
-from kvmetrics.engine.executor import EOS_TOKEN_ID, SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.loop import EngineLoop
-from kvmetrics.engine.request import Request, RequestStatus
-from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
 from kvmetrics.exporters.prometheus import PrometheusSink
+from kvmetrics.lab.engine.config import ConfigError
+from kvmetrics.lab.engine.connector import StoreConnector, choose_load_mode
+from kvmetrics.lab.engine.executor import EOS_TOKEN_ID, SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.loop import EngineLoop
+from kvmetrics.lab.engine.request import Request, RequestStatus
+from kvmetrics.lab.engine.scheduler import Scheduler, SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.engine import assert_no_leaks, block_hashes, build_rig, make_request, preload

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvmetrics.engine.request import RequestStatus
+from kvmetrics.lab.engine.request import RequestStatus
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.engine import Rig, assert_no_leaks

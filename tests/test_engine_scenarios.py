@@ -5,8 +5,8 @@ Every scenario uses block size 16 and exact token counts (see helpers/scenarios.
 
 from __future__ import annotations
 
-from kvmetrics.engine.request import RequestStatus
-from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.request import RequestStatus
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement
 from tests.helpers.engine import (

@@ -14,11 +14,11 @@ import re
 
 import pytest
 
-import kvmetrics.engine.request as request_module
-from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
-from kvmetrics.kv.harness import Job, build_engine, drive, populate_store
+import kvmetrics.lab.engine.request as request_module
 from kvmetrics.lab.config import LabConfig
+from kvmetrics.lab.engine.faults import FaultPlan, ScriptedFailure
 from kvmetrics.lab.findings import DOCS_SHARERS, DOCS_STALE, classify, explain_findings
+from kvmetrics.lab.kv.harness import Job, build_engine, drive, populate_store
 from tests.lab_support import run_cli
 from tests.test_kv_recovery import (
     A_PROMPT,

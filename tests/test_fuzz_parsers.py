@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvmetrics.engine.faults import FaultPlan, FaultPlanError
+from kvmetrics.lab.engine.faults import FaultPlan, FaultPlanError
 from kvmetrics.lab.traces import TraceError, load_trace
 
 JSON = st.recursive(

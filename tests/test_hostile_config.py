@@ -4,7 +4,7 @@ clean stop, never a traceback, a hang, gigabytes of memory, or a file replaced t
 not ours (tests run as root, as engines in most containers do).
 
 The numeric and type cases are generated from the table of settings
-(:data:`kvmetrics.integrations.vllm.exporting.SETTINGS`), so a setting added to the
+(:data:`kvmetrics.vllm.exporting.SETTINGS`), so a setting added to the
 table is covered without a line here.
 """
 
@@ -31,14 +31,14 @@ from typing import Any
 import pytest
 
 from benchmarks.tls import TLSMaterial, make_tls_material
-from kvmetrics.integrations.vllm.exporting import (
+from kvmetrics.metrics.labels import derived_label_value, label_value_problem
+from kvmetrics.vllm.exporting import (
     SETTINGS,
     ExportSettings,
     _write_port_file,
     build_exporter,
     check_setting_keys,
 )
-from kvmetrics.metrics.labels import derived_label_value, label_value_problem
 from tests.lab_support import run_cli
 
 NOBODY = 65534
@@ -297,7 +297,7 @@ def test_additional_config_values_of_the_wrong_type_are_one_line(setting: Any,
                          ids=lambda s: s.env)
 def test_flags_take_booleans_and_their_documented_spellings_only(
         setting: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvmetrics.integrations.vllm.exporting import settings_for
+    from kvmetrics.vllm.exporting import settings_for
 
     field = setting.key
     for value, expected in [(True, True), (False, False), ("false", False), ("False", False),
@@ -310,7 +310,7 @@ def test_flags_take_booleans_and_their_documented_spellings_only(
 
 
 def test_a_verified_record_needs_a_real_true_for_the_protective_recovery() -> None:
-    from kvmetrics.integrations.vllm import fingerprints
+    from kvmetrics.vllm import fingerprints
 
     files = {"vllm.x": "sha256:1"}
     for flag in ["false", "true", 1, "yes", None]:
@@ -443,7 +443,7 @@ def test_ordinary_json_still_loads() -> None:
 def test_the_recovery_setting_read_before_the_others_is_one_short_line(value: Any) -> None:
     """The scheduler class reads ``recovery`` first (it decides the class), so its check
     cannot wait for the settings' own."""
-    from kvmetrics.integrations.vllm.protect import protect_decided
+    from kvmetrics.protect.recovery import protect_decided
 
     line = _refused(partial(protect_decided, (), {"vllm_config": _config({"recovery": value})}))
     assert "recovery" in line.lower()
@@ -451,8 +451,8 @@ def test_the_recovery_setting_read_before_the_others_is_one_short_line(value: An
 
 def test_null_in_additional_config_leaves_the_environment_value(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvmetrics.integrations.vllm.exporting import settings_for
-    from kvmetrics.integrations.vllm.protect import recovery_setting
+    from kvmetrics.protect.recovery import recovery_setting
+    from kvmetrics.vllm.exporting import settings_for
 
     env = {"KVMETRICS_MODEL_NAME": "chat", "KVMETRICS_RECOVERY": "evict"}
     config = _config({"model_name": None, "recovery": None, "strict": None})

@@ -258,7 +258,7 @@ def test_the_port_file_cannot_be_redirected_by_a_planted_link(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's EngineCore writes KVMETRICS_METRICS_PORT_FILE; it used to go through
     ``PATH.PID.tmp``, so a link planted there overwrote the link's target."""
-    from kvmetrics.integrations.vllm.exporting import _write_port_file
+    from kvmetrics.vllm.exporting import _write_port_file
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -276,7 +276,7 @@ def test_the_port_file_cannot_be_redirected_by_a_planted_link(
 def test_the_port_file_never_replaces_a_device(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch,
                                                caplog: pytest.LogCaptureFixture) -> None:
-    from kvmetrics.integrations.vllm.exporting import _write_port_file
+    from kvmetrics.vllm.exporting import _write_port_file
 
     device = _null_device(tmp_path / "port")
     monkeypatch.setenv("KVMETRICS_METRICS_PORT_FILE", str(device))

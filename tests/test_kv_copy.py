@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.kv.cache import KVCache
-from kvmetrics.kv.copy import BlockCopier, copy_runs, runs
-from kvmetrics.kv.device import available_devices
-from kvmetrics.kv.store import HostKVStore
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.kv.cache import KVCache
+from kvmetrics.lab.kv.copy import BlockCopier, copy_runs, runs
+from kvmetrics.lab.kv.device import available_devices
+from kvmetrics.lab.kv.store import HostKVStore
 
 DEVICES = available_devices()
 

@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.kv.cache import KVCache, tensor_digest, token_slots
-from kvmetrics.kv.copy import BlockCopier, row_view
-from kvmetrics.kv.device import available_devices, resolve_device, resolve_dtype
-from kvmetrics.kv.ground_truth import GroundTruth, PrefixDigestCache
-from kvmetrics.kv.store import HostKVStore
-from kvmetrics.kv.verify import Finding, ReadSpan, VerifySelector, findings_from_mask
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.kv.cache import KVCache, tensor_digest, token_slots
+from kvmetrics.lab.kv.copy import BlockCopier, row_view
+from kvmetrics.lab.kv.device import available_devices, resolve_device, resolve_dtype
+from kvmetrics.lab.kv.ground_truth import GroundTruth, PrefixDigestCache
+from kvmetrics.lab.kv.store import HostKVStore
+from kvmetrics.lab.kv.verify import Finding, ReadSpan, VerifySelector, findings_from_mask
 
 DEVICES = available_devices()
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

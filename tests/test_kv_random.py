@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.engine.tokens import VOCAB_SIZE
-from kvmetrics.kv.harness import Job, Trace, build_engine, drive, populate_store
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.engine.tokens import VOCAB_SIZE
+from kvmetrics.lab.kv.harness import Job, Trace, build_engine, drive, populate_store
 from kvmetrics.metrics import catalogue as cat
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None)

@@ -14,14 +14,14 @@ import random
 
 import pytest
 
-import kvmetrics.engine.request as request_module
-import kvmetrics.engine.update as update_module
-from kvmetrics.engine.block_pool import BlockPool
-from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
-from kvmetrics.kv.device import available_devices
-from kvmetrics.kv.harness import Engine, Job, build_engine, drive, populate_store
-from kvmetrics.kv.verify import KVVerificationError
-from kvmetrics.kv_errors import is_verification_error
+import kvmetrics.lab.engine.request as request_module
+import kvmetrics.lab.engine.update as update_module
+from kvmetrics.lab.engine.block_pool import BlockPool
+from kvmetrics.lab.engine.faults import FaultPlan, ScriptedFailure
+from kvmetrics.lab.kv.device import available_devices
+from kvmetrics.lab.kv.harness import Engine, Job, build_engine, drive, populate_store
+from kvmetrics.lab.kv.verify import KVVerificationError
+from kvmetrics.lab.kv_errors import is_verification_error
 
 DEVICES = available_devices()
 BS = 4

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.kv.device import available_devices
-from kvmetrics.kv.harness import Engine, Trace, build_engine, drive, shared_prefix_jobs
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.kv.device import available_devices
+from kvmetrics.lab.kv.harness import Engine, Trace, build_engine, drive, shared_prefix_jobs
 from kvmetrics.metrics import catalogue as cat
 
 DEVICES = available_devices()

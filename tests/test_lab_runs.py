@@ -113,7 +113,7 @@ def test_a_stalled_run_still_writes_its_outputs(tmp_path) -> None:
     """vLLM 0.33's stall after failed async loads (reproduced by the reference engine,
     docs/vllm-defects.md ``async-load-stall``) ends the run with exit 1; the summary of
     the steps run, --output and --report are still written, saying where it stalled."""
-    from kvmetrics.integrations.vllm_lab.differential import random_workload
+    from kvmetrics.lab.vllm.differential import random_workload
 
     workload = random_workload(0, 40, load_mode="async", doc_blocks=(2, 4), suffix=(1, 20))
     trace = tmp_path / "stall.jsonl"

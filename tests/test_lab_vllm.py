@@ -32,7 +32,7 @@ def test_a_stalled_engine_ends_the_run_with_one_line(tmp_path) -> None:
     ``async-load-stall``) ends the lab run with exit 1 and one line, on vLLM and on the
     reference engine, which reproduces it under ``--recovery vllm``; with ``--recovery
     evict`` both finish the trace (on vLLM, its scheduler's protective mode)."""
-    from kvmetrics.integrations.vllm_lab.differential import random_workload
+    from kvmetrics.lab.vllm.differential import random_workload
 
     workload = random_workload(0, 40, load_mode="async", doc_blocks=(2, 4), suffix=(1, 20))
     trace = tmp_path / "stall.jsonl"
@@ -71,7 +71,7 @@ def test_the_model_folder_is_removed_when_its_process_exits(tmp_path) -> None:
 
     script = (
         "import os, sys\n"
-        "from kvmetrics.integrations.vllm_lab.builder import model_dir\n"
+        "from kvmetrics.lab.vllm.builder import model_dir\n"
         "path = model_dir(64)\n"
         "pid = os.fork()\n"
         "if pid == 0:\n"

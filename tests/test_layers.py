@@ -1,8 +1,11 @@
 """Dependencies point one way, toward the engine-agnostic core.
 
 Each layer may import only the layers listed for it (and the standard library
-or its own third-party tools). The engine in particular never imports torch,
-vLLM or an exporter: it is the pure core the other layers build on.
+or its own third-party tools). A layer is a package of kvmetrics/ or, inside the lab, a
+subpackage or module with stricter rules of its own (``lab/engine``): a file belongs to
+the most specific layer that holds it. What ships into ``vllm serve`` (metrics,
+exporters, vllm, faults, protect) never imports the lab or the commands; the reference
+engine never imports torch, vLLM or an exporter: it is the pure core the lab builds on.
 """
 
 from __future__ import annotations
@@ -16,24 +19,53 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvmetrics"
 
 #: layer -> (kvmetrics layers it may import, third-party top-level modules it may import)
 ALLOWED: dict[str, tuple[set[str], set[str]]] = {
+    # What ships into vllm serve.
     "metrics": ({"metrics"}, set()),
-    "engine": ({"engine", "metrics"}, set()),
     "exporters": ({"exporters", "metrics"}, {"prometheus_client", "opentelemetry"}),
-    "instrument": ({"instrument", "metrics"}, set()),
-    "kv": ({"kv", "engine", "metrics"}, {"torch", "numpy"}),
-    # Not "integrations": engines register through an entry point (test below).
+    # The observer. protect: the scheduler composes the opt-in fix into its class (only
+    # the scheduler imports it, test below); never the fault connector.
+    "vllm": ({"vllm", "protect", "metrics", "exporters"}, {"vllm"}),
+    # Loaded by vLLM's connector factory, in the workers too: never the observer.
+    "faults": ({"faults", "metrics"}, {"vllm", "torch"}),
+    # Runs inside the observer's class: its hook table, fingerprints and logger.
+    "protect": ({"protect", "vllm", "metrics"}, {"vllm"}),
+    # The lab. Not "lab/vllm": engines register through an entry point (test below).
     # torch: the demo model's weights (lab/demo_model.py), drawn like the data plane's.
-    # kv_errors: telling the data plane's strict stop apart without importing torch.
-    "lab": ({"lab", "engine", "metrics", "exporters", "instrument", "kv", "kv_errors"},
-            {"rich", "matplotlib", "torch"}),
-    "integrations": ({"integrations", "lab", "engine", "metrics", "exporters", "instrument",
-                      "kv"}, {"vllm", "prometheus_client", "opentelemetry", "torch"}),
+    # lab/kv_errors.py: telling the data plane's strict stop apart without importing torch.
+    "lab": ({"lab", "lab/engine", "lab/kv", "lab/kv_errors.py", "lab/instrument.py",
+             "metrics", "exporters"}, {"rich", "matplotlib", "torch"}),
+    "lab/engine": ({"lab/engine", "metrics"}, set()),
+    "lab/kv": ({"lab/kv", "lab/engine", "metrics"}, {"torch", "numpy"}),
+    "lab/kv_errors.py": (set(), set()),
+    "lab/instrument.py": ({"metrics"}, set()),
+    # The harness around vLLM's scheduler: the lab, and the observer it drives.
+    "lab/vllm": ({"lab/vllm", "lab", "lab/engine", "lab/kv", "vllm", "faults", "protect",
+                  "metrics", "exporters"},
+                 {"vllm", "prometheus_client", "opentelemetry", "torch"}),
     # The command is the top layer: ``kvmetrics vllm-check`` imports the vLLM canaries
     # (lazily, inside the command, so that other commands never load vLLM).
-    "cli": ({"cli", "lab", "engine", "metrics", "kv_errors", "integrations"}, set()),
-    "kv_errors.py": (set(), set()),
+    "cli": ({"cli", "lab", "lab/engine", "metrics", "lab/kv_errors.py", "lab/vllm"}, set()),
+    # The deprecated aliases of the old paths fleets type in their configurations.
+    "integrations": ({"vllm", "faults"}, set()),
 }
+#: What ``vllm serve`` loads.
+SHIPPED = ("metrics", "exporters", "vllm", "faults", "protect")
 STDLIB = set(sys.stdlib_module_names)
+
+
+def _layer(parts: tuple[str, ...]) -> str:
+    """The most specific layer holding the module ``kvmetrics.<parts>``."""
+    for depth in range(len(parts), 0, -1):
+        key = "/".join(parts[:depth])
+        for candidate in (key, f"{key}.py"):
+            if candidate in ALLOWED:
+                return candidate
+    return parts[0]
+
+
+def _file_layer(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return _layer(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _imports(path: Path) -> set[str]:
@@ -49,23 +81,34 @@ def _imports(path: Path) -> set[str]:
 
 def test_every_module_imports_only_its_allowed_layers() -> None:
     problems = []
-    for layer, (layers, third_party) in ALLOWED.items():
-        root = PACKAGE / layer
-        for path in (root.rglob("*.py") if root.is_dir() else [root]):
-            for name in _imports(path):
-                top = name.split(".")[0]
-                if top == "kvmetrics":
-                    parts = name.split(".")
-                    if len(parts) > 1 and parts[1] not in layers:
-                        problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
-                elif top not in STDLIB and top not in third_party and top != "__future__":
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.parent == PACKAGE:
+            continue  # kvmetrics/__init__.py and __main__.py
+        layers, third_party = ALLOWED[_file_layer(path)]
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top == "kvmetrics":
+                parts = tuple(name.split(".")[1:])
+                if parts and _layer(parts) not in layers | {_file_layer(path)}:
                     problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
+            elif top not in STDLIB and top not in third_party and top != "__future__":
+                problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert problems == []
 
 
+def test_every_package_of_kvmetrics_is_a_layer() -> None:
+    """A new package gets its row in ALLOWED (and in docs/architecture.md)."""
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert packages <= set(ALLOWED)
+    assert {_file_layer(PACKAGE / "lab" / "engine" / "scheduler.py"),
+            _file_layer(PACKAGE / "lab" / "kv_errors.py"),
+            _file_layer(PACKAGE / "lab" / "runner.py")} == {"lab/engine", "lab/kv_errors.py",
+                                                            "lab"}
+
+
 def test_importing_the_engine_loads_no_heavy_dependency() -> None:
-    code = ("import sys, kvmetrics.engine.scheduler, kvmetrics.engine.executor, "
-            "kvmetrics.engine.loop, kvmetrics.metrics.pipeline; "
+    code = ("import sys, kvmetrics.lab.engine.scheduler, kvmetrics.lab.engine.executor, "
+            "kvmetrics.lab.engine.loop, kvmetrics.metrics.pipeline; "
             "print(sorted(m for m in ('torch', 'vllm', 'prometheus_client', 'opentelemetry') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -75,39 +118,44 @@ def test_importing_the_engine_loads_no_heavy_dependency() -> None:
 
 def test_lab_engines_come_from_the_entry_point_group() -> None:
     """The vLLM lab engine is declared in pyproject.toml and found through the installed
-    metadata; a reference run loads no integration at all."""
+    metadata; a reference run loads nothing of vLLM's side (the harness, the observer,
+    the fault connector, the protective recovery)."""
     import tomllib
 
     declared = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"][
         "entry-points"]["kvmetrics.lab_engines"]
-    assert declared == {"vllm": "kvmetrics.integrations.vllm_lab.lab:VllmLabEngine"}
-    code = ("import sys; from kvmetrics.lab.engines import engine_names, load_engine; "
+    assert declared == {"vllm": "kvmetrics.lab.vllm.lab:VllmLabEngine"}
+    code = ("import sys; from kvmetrics.lab.engine_registry import engine_names, load_engine; "
             "from kvmetrics.lab.config import LabConfig; from kvmetrics.lab.runner import "
             "run_lab; run_lab(LabConfig(verify='off', max_requests=3, progress=False)); "
-            "print(engine_names(), any(m.startswith('kvmetrics.integrations') "
+            "print(engine_names(), any(m.startswith(('kvmetrics.lab.vllm', 'kvmetrics.vllm', "
+            "'kvmetrics.faults', 'kvmetrics.protect', 'kvmetrics.integrations')) "
             "for m in sys.modules)); "
             "print(load_engine('vllm').__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.splitlines()
-    assert out == ["('reference', 'vllm') False", "kvmetrics.integrations.vllm_lab.lab"]
+    assert out == ["('reference', 'vllm') False", "kvmetrics.lab.vllm.lab"]
 
 
 def test_what_ships_into_vllm_serve_imports_only_the_core() -> None:
-    """``kvmetrics/integrations/vllm/`` is loaded by production ``vllm serve`` processes:
-    it may import the engine-agnostic core, the exporters and vLLM, never the lab, the
-    data plane, the reference engine or the lab's harness around vLLM."""
-    allowed = {("kvmetrics", "metrics"), ("kvmetrics", "exporters"),
-               ("kvmetrics", "integrations")}
+    """``kvmetrics/{metrics,exporters,vllm,faults,protect}/`` are loaded by production
+    ``vllm serve`` processes: they may import each other as ALLOWED says and vLLM, never
+    the lab (the data plane, the reference engine, the harness around vLLM), the
+    commands or the deprecated aliases; of them only the observer's scheduler imports the
+    protective recovery."""
     problems = []
-    for path in (PACKAGE / "integrations" / "vllm").rglob("*.py"):
-        for name in _imports(path):
-            parts = tuple(name.split("."))
-            if parts[0] != "kvmetrics" or len(parts) < 2:
-                continue
-            if parts[:2] not in allowed or parts[:3] == ("kvmetrics", "integrations",
-                                                         "vllm_lab"):
-                problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
-            # Lazy imports inside functions count too: _imports walks the whole tree.
+    for layer in SHIPPED:
+        for path in (PACKAGE / layer).rglob("*.py"):
+            for name in _imports(path):
+                parts = tuple(name.split("."))
+                if parts[0] != "kvmetrics" or len(parts) < 2:
+                    continue
+                # Lazy imports inside functions count too: _imports walks the whole tree.
+                if parts[1] not in SHIPPED:
+                    problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
+                if parts[1] == "protect" and layer != "protect" \
+                        and path != PACKAGE / "vllm" / "scheduler.py":
+                    problems.append(f"{path.relative_to(PACKAGE)} imports {name}")
     assert problems == []
 
 
@@ -231,8 +279,8 @@ def test_cycle_finder_finds_a_cycle_through_a_lazy_import() -> None:
 
 def test_no_import_cycle_anywhere_in_kvmetrics() -> None:
     graph = _import_graph()
-    assert "kvmetrics.integrations.vllm.fault_mirror" in graph[
-        "kvmetrics.integrations.vllm.faults"]  # the graph sees real edges
+    assert "kvmetrics.faults.fault_mirror" in graph[
+        "kvmetrics.faults.connector"]  # the graph sees real edges
     assert _cycles(graph) == []
 
 

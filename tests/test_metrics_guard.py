@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from kvmetrics.engine.scheduler import SchedulerConfig
 from kvmetrics.exporters.prometheus import PrometheusSink
-from kvmetrics.instrument.wrapper import InstrumentedEngine
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.instrument import InstrumentedEngine
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.catalogue import MetricSpec
 from kvmetrics.metrics.events import PoolSnapshot, StepEvents
@@ -145,7 +145,7 @@ def test_the_wrapper_logs_and_continues_when_recording_itself_fails(
 
     monkeypatch.setattr(pipeline, "record", explode)
     rig.add(make_request("a", tokens(0, 40), 3))
-    with caplog.at_level(logging.ERROR, logger="kvmetrics.instrument"):
+    with caplog.at_level(logging.ERROR, logger="kvmetrics.lab.instrument"):
         rig.run()
     assert rig.requests["a"].is_finished
     assert any("engine continues" in r.getMessage() for r in caplog.records)

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from kvmetrics.integrations.vllm_lab.mutations import generator
-from kvmetrics.integrations.vllm_lab.mutations.worker import PLANT_ENV
+from kvmetrics.lab.vllm.mutations import generator
+from kvmetrics.lab.vllm.mutations.worker import PLANT_ENV
 
 FAST_BUDGET = 24
 FAST_SEED = 0
@@ -35,7 +35,7 @@ def campaign(*args: str, plant: str | None = None) -> tuple[int, dict[str, str],
     if plant:
         env[PLANT_ENV] = plant
     done = subprocess.run(
-        [sys.executable, "-m", "kvmetrics.integrations.vllm_lab.mutations", *args],
+        [sys.executable, "-m", "kvmetrics.lab.vllm.mutations", *args],
         capture_output=True, text=True, env=env, timeout=900, check=False)
     table = done.stdout.split("\nmutant  module", 1)[-1]
     verdicts = {line.split("  ")[0]: line.split("  ")[4]

@@ -284,8 +284,8 @@ def _versions(env: Path) -> dict[str, str]:
 def _installed_kvmetrics(env: Path, *, import_scheduler: bool = False) -> str:
     """Where the venv imports kvmetrics from, after checking the package data came along."""
     code = ("import importlib.resources as r, kvmetrics; "
-            "assert (r.files('kvmetrics.integrations.vllm') / 'verified_vllm.json').is_file(); "
-            + ("import kvmetrics.integrations.vllm.scheduler; " if import_scheduler else "")
+            "assert (r.files('kvmetrics.vllm') / 'verified_vllm.json').is_file(); "
+            + ("import kvmetrics.vllm.scheduler; " if import_scheduler else "")
             + "print(kvmetrics.__file__)")
     run = subprocess.run([str(env / "bin" / "python"), "-c", code], capture_output=True,
                          text=True, timeout=300, cwd=env,

@@ -46,7 +46,7 @@ from benchmarks.vllm_server import (
     output_tokens,
     total,
 )
-from kvmetrics.integrations.vllm.fault_plan import FaultPlan, parse_settings
+from kvmetrics.faults.fault_plan import FaultPlan, parse_settings
 from kvmetrics.metrics import catalogue
 from tests.helpers.nixl_pd import (
     HASH_MISMATCH,

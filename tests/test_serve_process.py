@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.tls import make_tls_material
-from kvmetrics.integrations.vllm.exporting import check_setting_keys
+from kvmetrics.vllm.exporting import check_setting_keys
 from tests.helpers import procs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -239,7 +239,7 @@ def test_a_bad_serve_mode_stops_the_start_with_one_line() -> None:
 
 
 def _default_mode_in_child(answers: Any) -> None:
-    from kvmetrics.integrations.vllm.exporting import settings_for
+    from kvmetrics.vllm.exporting import settings_for
 
     answers.put(settings_for(_Config({}), env={}).serve)
 
@@ -250,7 +250,7 @@ def test_an_engine_core_of_its_own_serves_from_a_process_and_an_in_process_one_i
     from another process would switch that whole process's prometheus-client."""
     import multiprocessing
 
-    from kvmetrics.integrations.vllm.exporting import settings_for
+    from kvmetrics.vllm.exporting import settings_for
 
     assert settings_for(_Config({}), env={}).serve == "engine"
     assert settings_for(_Config({}), env={"KVMETRICS_SERVE": "process"}).serve == "process"

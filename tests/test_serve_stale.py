@@ -18,7 +18,7 @@ finishes; A is admitted again with a 96-token local hit, including the failed bl
 The oracles are A's own fault-free output (A alone, before) and the same sequence
 run again with a load that does not fail. X's output is compared with X alone: the
 poison reaches only the request that reads the block (it is finite noise; NaN
-leaked into X through masked attention slots, see kvmetrics/integrations/vllm/faults.py).
+leaked into X through masked attention slots, see kvmetrics/faults/connector.py).
 
 The same sequence runs again on a second server with the protective recovery
 (``KVMETRICS_RECOVERY=evict``): A's blocks from the failed one on leave the prefix

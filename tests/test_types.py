@@ -1,8 +1,8 @@
 """kvmetrics/ type-checks clean: mypy, configured in pyproject.toml ([tool.mypy]).
 
-Strict by default, so the code `vllm serve` loads (kvmetrics.metrics, .exporters,
-.integrations.vllm) and every new module is held to it; the lab, the reference engine,
-the data plane and the commands are listed for a lighter setting. Each remaining
+Strict by default, so the code `vllm serve` loads (kvmetrics.metrics, .exporters, .vllm,
+.faults, .protect) and every new module is held to it; the lab (with its reference engine,
+data plane and vLLM harness) and the commands are listed for a lighter setting. Each remaining
 ``type: ignore`` names its error code and says why.
 
 mypy's cache lives in the system's temporary directory, never in the repository: a
@@ -22,8 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(tempfile.gettempdir()) / f"kvmetrics-mypy-cache-{os.getuid()}"
-#: The packages `vllm serve` imports (the scheduler, its exporters, the fault connector).
-SHIPPED = ("kvmetrics.metrics", "kvmetrics.exporters", "kvmetrics.integrations.vllm")
+#: The packages `vllm serve` imports (the observer, its exporters, the fault connector, the
+#: protective recovery).
+SHIPPED = ("kvmetrics.metrics", "kvmetrics.exporters", "kvmetrics.vllm", "kvmetrics.faults",
+           "kvmetrics.protect")
 
 
 def _mypy(*args: str, cwd: Path = ROOT, cache: Path = CACHE) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvmetrics.integrations.vllm_lab.series import PATCHES
+from kvmetrics.lab.vllm.series import PATCHES
 from tests.helpers.vllm_overlay import overlay_files
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from kvmetrics.cli.main import main
-from kvmetrics.integrations.vllm_lab import canaries, canary_bench
-from kvmetrics.integrations.vllm_lab.canaries import DEFECTS, Target, run_all, vllm_version
-from kvmetrics.integrations.vllm_lab.canary_bench import PROTECTED
-from kvmetrics.integrations.vllm_lab.patched import installed_series, patched_target
-from kvmetrics.integrations.vllm_lab.series import FIXES, PATCHES, series
+from kvmetrics.lab.vllm import canaries, canary_bench
+from kvmetrics.lab.vllm.canaries import DEFECTS, Target, run_all, vllm_version
+from kvmetrics.lab.vllm.canary_bench import PROTECTED
+from kvmetrics.lab.vllm.patched import installed_series, patched_target
+from kvmetrics.lab.vllm.series import FIXES, PATCHES, series
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = [d.id for d in DEFECTS]
@@ -231,7 +231,7 @@ def test_the_docs_carry_each_patch_and_a_section_per_defect() -> None:
     the current template is short, states the AI assistance vLLM's AGENTS.md asks
     about, speaks vLLM's terms (no defect ids of this project), and its patch, in
     both series, is signed off."""
-    from kvmetrics.integrations.vllm_lab.defect_regimes import SEVERITY
+    from kvmetrics.lab.vllm.defect_regimes import SEVERITY
 
     assert sorted(SEVERITY) == sorted(IDS) == sorted(FIXES)
     doc = (REPO / "docs" / "vllm-defects.md").read_text()

@@ -17,11 +17,11 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.metrics.stats import PrefillStats
 
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.integrations.vllm import step_end
-from kvmetrics.integrations.vllm.event_hooks import EventHooks
-from kvmetrics.integrations.vllm_lab.differential import random_workload, run_vllm
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.vllm.differential import random_workload, run_vllm
 from kvmetrics.metrics import catalogue as cat
+from kvmetrics.vllm import step_end
+from kvmetrics.vllm.event_hooks import EventHooks
 from tests.test_vllm_hooks import run_failing_load, totals
 from tests.test_vllm_recorder_flags import CONFIG as FLAGS_CONFIG
 

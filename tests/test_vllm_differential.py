@@ -21,9 +21,9 @@ from collections.abc import Callable
 
 import pytest
 
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.integrations.vllm_lab.differential import (
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.vllm.differential import (
     RunResult,
     Workload,
     kvmetrics_fix,

@@ -16,22 +16,22 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm.exporting import (
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan, ScriptedFailure
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.vllm import builder
+from kvmetrics.lab.vllm.engine import VllmEngine
+from kvmetrics.metrics import catalogue as cat
+from kvmetrics.metrics.events import StepEvents
+from kvmetrics.metrics.guard import CounterViolationError
+from kvmetrics.vllm.exporting import (
     DEFAULT_METRICS_ADDR,
     endpoint_for,
     settings_for,
 )
-from kvmetrics.integrations.vllm_lab import builder
-from kvmetrics.integrations.vllm_lab.engine import VllmEngine
-from kvmetrics.metrics import catalogue as cat
-from kvmetrics.metrics.events import StepEvents
-from kvmetrics.metrics.guard import CounterViolationError
 
 PROMPT = list(range(1000, 1064))
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,

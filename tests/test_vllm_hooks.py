@@ -13,18 +13,18 @@ import urllib.request
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm import hooks
-from kvmetrics.integrations.vllm.exporting import LOGGER
-from kvmetrics.integrations.vllm_lab.engine import VllmEngine
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan, ScriptedFailure
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.vllm.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
+from kvmetrics.vllm import hooks
+from kvmetrics.vllm.exporting import LOGGER
 
 PROMPT = list(range(1000, 1064))
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,
@@ -164,7 +164,7 @@ def test_a_missing_hook_is_reported_and_the_rest_counts(monkeypatch: pytest.Monk
 
 def test_a_hook_that_raises_is_counted_and_vllm_carries_on(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvmetrics.integrations.vllm.recorder import StepRecorder
+    from kvmetrics.vllm.recorder import StepRecorder
 
     def broken(self, *args):
         raise RuntimeError("recorder bug")
@@ -182,7 +182,7 @@ def test_a_hook_that_raises_is_counted_and_vllm_carries_on(
 
 def test_a_wrapper_that_cannot_be_installed_is_counted_and_its_families_absent(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvmetrics.integrations.vllm import helper_hooks
+    from kvmetrics.vllm import helper_hooks
 
     real = helper_hooks.wrapped
     name = "kv_cache_manager.record_prefix_cache_stats"
@@ -291,7 +291,7 @@ def test_a_vllm_without_the_failed_recving_path_needs_no_hook_for_it(
 def test_kvmetrics_own_cpu_time_is_exported(monkeypatch: pytest.MonkeyPatch) -> None:
     import time
 
-    from kvmetrics.integrations.vllm import step_end
+    from kvmetrics.vllm import step_end
 
     monkeypatch.setattr(step_end, "GAUGE_MIN_INTERVAL_S", 0)  # reported every 32 steps
     monkeypatch.setattr(step_end, "CPU_REPORT_MIN_INTERVAL_S", 0)
@@ -312,7 +312,7 @@ def test_kvmetrics_own_cpu_time_is_exported(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_the_cpu_estimate_waits_for_its_next_report_and_loses_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvmetrics.integrations.vllm import step_end
+    from kvmetrics.vllm import step_end
 
     monkeypatch.setattr(step_end, "GAUGE_MIN_INTERVAL_S", 0)  # a read every 32 steps
     monkeypatch.setattr(step_end, "CPU_REPORT_MIN_INTERVAL_S", 3600)  # the first only
@@ -339,7 +339,7 @@ def test_the_cpu_estimate_waits_for_its_next_report_and_loses_nothing(
 @pytest.mark.parametrize("alone_s", [3600, 0])
 def test_the_cpu_estimate_rides_on_a_step_that_counts_something_else(
         monkeypatch: pytest.MonkeyPatch, alone_s: float) -> None:
-    from kvmetrics.integrations.vllm import step_end
+    from kvmetrics.vllm import step_end
 
     monkeypatch.setattr(step_end, "GAUGE_MIN_INTERVAL_S", 0)  # a read every 32 steps
     monkeypatch.setattr(step_end, "CPU_REPORT_MIN_INTERVAL_S", 0)  # due at every step
@@ -372,7 +372,7 @@ def test_the_cpu_estimate_charges_the_quiet_step_sampled_in_place(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import math
 
-    from kvmetrics.integrations.vllm import owncost
+    from kvmetrics.vllm import owncost
 
     monkeypatch.setattr(owncost, "_CALIBRATION", None)  # measured again, on the real code
     cal = owncost.calibrate()
@@ -399,7 +399,7 @@ def test_a_quiet_step_sample_loses_its_clock_reads_and_interruptions(
     """Hand-worked: each sampled interval holds about one clock read, measured right
     after the sample (the lesser of two gaps) and taken off; a sample long enough to
     have been interrupted is left out, not averaged in."""
-    from kvmetrics.integrations.vllm import owncost
+    from kvmetrics.vllm import owncost
 
     reads = iter([1000, 1040, 1090,  # one read costs 40 ns here (the lesser gap)
                   5000, 5050, 5090,
@@ -432,7 +432,7 @@ def test_a_preemption_inside_the_clock_cost_measurement_never_makes_a_sample_neg
     """The in-place measurement of one clock read is two back-to-back reads; the thread
     descheduled between them (5 ms) must neither make a sample negative nor pull the
     mean down, and the quiet part must keep its mean for the rest of the process."""
-    from kvmetrics.integrations.vllm import owncost
+    from kvmetrics.vllm import owncost
 
     clock = _PreemptedClock(step=40, preempt_at=2, gap=5_000_000)
     monkeypatch.setattr(owncost, "perf_counter_ns", clock)
@@ -453,7 +453,7 @@ def test_a_sample_whose_clock_cost_cannot_be_measured_is_dropped(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every read of the in-place measurement disturbed: the sample less that cost would
     be negative, so it is dropped and counted rather than charged."""
-    from kvmetrics.integrations.vllm import owncost
+    from kvmetrics.vllm import owncost
 
     reads = iter([10_000, 3_010_000, 6_010_000])  # each read 3 ms apart
     monkeypatch.setattr(owncost, "perf_counter_ns", lambda: next(reads))
@@ -467,7 +467,7 @@ def test_the_eviction_counter_counts_and_passes_every_call_form_through() -> Non
     """vLLM's ``(self, block)`` gets the lean wrapper (the function called with the pool:
     no argument packing), any other signature the general one; both count every call and
     every evicted block, and hand vLLM's result back."""
-    from kvmetrics.integrations.vllm.helper_hooks import eviction_counter
+    from kvmetrics.vllm.helper_hooks import eviction_counter
 
     class Tally:
         evict_calls = evicted_n = 0

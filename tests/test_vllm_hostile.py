@@ -31,14 +31,14 @@ from typing import Any
 import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvmetrics.engine.config import SchedulerConfig
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.integrations.vllm import hooks, recorder, state
-from kvmetrics.integrations.vllm_lab.differential import random_workload, vllm_faithful
-from kvmetrics.integrations.vllm_lab.engine import VllmEngine
+from kvmetrics.lab.engine.config import SchedulerConfig
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.vllm.differential import random_workload, vllm_faithful
+from kvmetrics.lab.vllm.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
+from kvmetrics.vllm import hooks, recorder, state
 from tests.test_vllm_hooks import kvmetrics_log
 
 OURS = os.path.dirname(os.path.abspath(state.__file__)) + os.sep

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kvmetrics.integrations.vllm.hooks import vllm_base
-from kvmetrics.integrations.vllm.protect import PROTECTED, ProtectMixin
+from kvmetrics.protect.recovery import PROTECTED, ProtectMixin
+from kvmetrics.vllm.hooks import vllm_base
 
 METHODS = [hook.method for hook in PROTECTED]
 
@@ -54,8 +54,8 @@ def test_off_the_protective_layer_is_not_in_the_class() -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvmetrics.integrations.vllm.protect import protect_decided, protected_over
-    from kvmetrics.integrations.vllm.scheduler import (
+    from kvmetrics.protect.recovery import protect_decided, protected_over
+    from kvmetrics.vllm.scheduler import (
         InstrumentedAsyncScheduler,
         InstrumentedMixin,
         InstrumentedScheduler,
@@ -90,7 +90,7 @@ def test_on_vllms_own_methods_pass_the_check() -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvmetrics.integrations.vllm.hooks import signature_problem
+    from kvmetrics.vllm.hooks import signature_problem
     for base in (Scheduler, AsyncScheduler):
         for hook in PROTECTED:
             assert signature_problem(getattr(base, hook.method, None), hook, True) is None, (
@@ -101,7 +101,7 @@ def test_the_checked_base_is_vllms_class_even_under_a_users_own_mixin() -> None:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from kvmetrics.integrations.vllm.scheduler import (
+    from kvmetrics.vllm.scheduler import (
         InstrumentedAsyncScheduler,
         InstrumentedScheduler,
     )

@@ -15,21 +15,21 @@ import functools
 
 import pytest
 
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm import step_end
-from kvmetrics.integrations.vllm.recorder import StepRecorder
-from kvmetrics.integrations.vllm_lab.differential import (
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.vllm.differential import (
     random_workload,
     run_vllm,
     vllm_faithful,
 )
-from kvmetrics.integrations.vllm_lab.engine import VllmEngine
+from kvmetrics.lab.vllm.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
+from kvmetrics.vllm import step_end
+from kvmetrics.vllm.recorder import StepRecorder
 from tests.helpers.metrics import event_totals
 
 CONFIG = vllm_faithful(SchedulerConfig(block_size=16, num_gpu_blocks=30, max_num_seqs=8,

@@ -12,15 +12,15 @@ import logging
 
 import pytest
 
-from kvmetrics.engine.connector import StoreConnector
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
-from kvmetrics.engine.loop import EngineLoop
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm_lab.engine import VllmEngine
+from kvmetrics.lab.engine.connector import StoreConnector
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan, ScriptedFailure
+from kvmetrics.lab.engine.loop import EngineLoop
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import Scheduler, SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.vllm.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.metrics import event_totals
@@ -276,7 +276,7 @@ def test_async_scheduler_keeps_the_discarded_steps_placeholder() -> None:
     before ``_update_request_with_output`` would resolve it, and nothing resets it.
     The request is then scheduled one token past what it knows, for good.
     """
-    from kvmetrics.integrations.vllm_lab import builder
+    from kvmetrics.lab.vllm import builder
 
     store = ExternalStoreIndex(64)
     engine = VllmEngine(config(), SimulatedExecutor(FaultPlan(scripted=(ScriptedFailure(1),)),

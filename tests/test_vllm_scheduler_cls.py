@@ -19,21 +19,21 @@ import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm.hooks import vllm_base
-from kvmetrics.integrations.vllm.scheduler import (
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.vllm import builder
+from kvmetrics.lab.vllm.engine import VllmEngine
+from kvmetrics.vllm.hooks import vllm_base
+from kvmetrics.vllm.scheduler import (
     InstrumentedAsyncScheduler,
     InstrumentedScheduler,
 )
-from kvmetrics.integrations.vllm_lab import builder
-from kvmetrics.integrations.vllm_lab.engine import VllmEngine
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTED = "kvmetrics.integrations.vllm.scheduler.InstrumentedScheduler"
+DOCUMENTED = "kvmetrics.vllm.scheduler.InstrumentedScheduler"
 
 
 def config(decided: bool) -> SchedulerConfig:

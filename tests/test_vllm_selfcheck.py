@@ -20,9 +20,9 @@ import pytest
 from vllm.config import SchedulerConfig
 from vllm.v1.request import RequestStatus
 
-from kvmetrics.integrations.vllm import selfcheck
-from kvmetrics.integrations.vllm_lab import builder, canary_bench
+from kvmetrics.lab.vllm import builder, canary_bench
 from kvmetrics.metrics import catalogue as cat
+from kvmetrics.vllm import selfcheck
 
 #: Whether this vLLM has the inflight-load cap (0.34 on).
 HAS_CAP = "max_num_inflight_kv_loads" in {f.name for f in dataclasses.fields(SchedulerConfig)}

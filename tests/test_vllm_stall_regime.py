@@ -17,9 +17,9 @@ import logging
 
 import pytest
 
-from kvmetrics.integrations.vllm_lab import canaries
-from kvmetrics.integrations.vllm_lab.canary_bench import PROTECTED
-from kvmetrics.integrations.vllm_lab.stall_regime import retry
+from kvmetrics.lab.vllm import canaries
+from kvmetrics.lab.vllm.canary_bench import PROTECTED
+from kvmetrics.lab.vllm.stall_regime import retry
 
 
 def admitted_by_hand(usable: int, prompt_tokens: int, offered_tokens: int) -> bool:

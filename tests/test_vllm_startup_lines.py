@@ -21,16 +21,16 @@ from pathlib import Path
 import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm.base_choice import VLLM_WARNING
-from kvmetrics.integrations.vllm.exporting import LOGGER, ExportSettings, build_exporter
-from kvmetrics.integrations.vllm_lab import builder
-from kvmetrics.integrations.vllm_lab.engine import VllmEngine
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.vllm import builder
+from kvmetrics.lab.vllm.engine import VllmEngine
+from kvmetrics.vllm.base_choice import VLLM_WARNING
+from kvmetrics.vllm.exporting import LOGGER, ExportSettings, build_exporter
 
 PROMPT = list(range(1000, 1064))
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm import owncost, step_end
-from kvmetrics.integrations.vllm import scheduler as instrumented
-from kvmetrics.integrations.vllm_lab.engine import VllmEngine
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.vllm.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
+from kvmetrics.vllm import owncost, step_end
+from kvmetrics.vllm import scheduler as instrumented
 
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=128, max_num_seqs=8,
                          max_num_batched_tokens=512, max_model_len=512)
@@ -88,7 +88,7 @@ def test_a_quiet_step_is_one_call_deep() -> None:
         record(events)
 
     pipeline.record = counted
-    ours = os.path.dirname(instrumented.__file__) + os.sep  # not vllm_lab/
+    ours = os.path.dirname(instrumented.__file__) + os.sep  # not kvmetrics/lab/vllm/
     # (kvmetrics_merge: the lab's model runner handing its own events, None here; vLLM
     # never calls it.)
     allowed = {"schedule", "update_from_output", "maybe_evict_hook", "kvmetrics_merge"}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.tls import TLSMaterial, make_tls_material
-from kvmetrics.integrations.vllm.exporting import settings_for
+from kvmetrics.vllm.exporting import settings_for
 from tests.test_vllm_export import _vllm_config, failing_engine
 
 

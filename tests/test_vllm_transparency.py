@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.integrations.vllm_lab.differential import random_workload, run_vllm, vllm_faithful
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.vllm.differential import random_workload, run_vllm, vllm_faithful
 from kvmetrics.metrics import catalogue as cat
 
 

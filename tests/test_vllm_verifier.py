@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.integrations.vllm_lab.differential import random_workload
-from kvmetrics.integrations.vllm_lab.engine import VllmEngine
-from kvmetrics.kv.runner import TorchModelRunner
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan, ScriptedFailure
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.kv.runner import TorchModelRunner
+from kvmetrics.lab.vllm.differential import random_workload
+from kvmetrics.lab.vllm.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
@@ -126,7 +126,7 @@ def test_the_protective_mode_evicts_the_failed_block_and_nobody_reads_it() -> No
 
 def test_the_protective_mode_is_opt_in_through_the_environment(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvmetrics.integrations.vllm_lab import builder
+    from kvmetrics.lab.vllm import builder
 
     cfg = SchedulerConfig(block_size=16, num_gpu_blocks=16, kv_load_failure_policy="recompute")
     plain = builder.build_scheduler(cfg, scheduler_cls=builder.INSTRUMENTED,

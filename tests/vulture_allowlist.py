@@ -8,19 +8,20 @@ name still exists in kvmetrics/, so the list cannot outlive its code.
 # ruff: noqa: B018, F821
 
 # vLLM's connector factory and config reader call these by name.
-_.kv_connector_module_path  # faults._InnerOnly: what vLLM's factory reads of a transfer config
-_.get_from_extra_config  # faults._InnerOnly: what vLLM's factory asks a transfer config
-_.requires_kv_delivery  # KVConnectorBase_V1 interface (vllm_lab store and canary connectors)
+_.kv_connector_module_path  # faults.connector._InnerOnly: what vLLM's factory reads of a config
+_.get_from_extra_config  # faults.connector._InnerOnly: what vLLM's factory asks a config
+_.requires_kv_delivery  # KVConnectorBase_V1 interface (lab.vllm store and canary connectors)
 _.save_kv_layer  # KVConnectorBase_V1 interface
 _.wait_for_save  # KVConnectorBase_V1 interface
 _.kv_layer  # parameter of save_kv_layer, named as vLLM's interface names it
 _.attn_metadata  # parameter of save_kv_layer, named as vLLM's interface names it
-_.KvmetricsStoreConnector  # vllm_lab: named in --kv-transfer-config, loaded by vLLM's factory
+_.KvmetricsStoreConnector  # lab.vllm: named in --kv-transfer-config, loaded by vLLM's factory
 
 # Python, pytest and the packaging metadata call these by name.
-_.__getattr__  # faults: module __getattr__, how vLLM's factory finds FaultInjecting<X>
-_.pytest_configure  # vllm_lab.pytest_cpu_env: a pytest plugin hook
-_.pytest_unconfigure  # vllm_lab.pytest_cpu_env: a pytest plugin hook
+_.__getattr__  # module __getattr__: how vLLM's factory finds FaultInjecting<X> (faults.connector
+#   and its alias); the packages' public names, imported on first use (vllm, faults, protect)
+_.pytest_configure  # lab.vllm.pytest_cpu_env: a pytest plugin hook
+_.pytest_unconfigure  # lab.vllm.pytest_cpu_env: a pytest plugin hook
 _.VllmLabEngine  # entry point kvmetrics.lab_engines in pyproject.toml
 _.max_size  # exporters.lean_tls: asyncio's SSLProtocol reads its buffer size by this name
 _.read_value  # mmap_space.ValueFile: prometheus-client's MmapedValue calls its file class

@@ -35,10 +35,10 @@ EXIT_STALE_READS = 3
 
 
 def _add(p: argparse.ArgumentParser) -> None:
-    from kvmetrics.engine.config import ACCOUNTINGS, POLICIES, RECOVERIES
-    from kvmetrics.engine.connector import LOAD_MODES
     from kvmetrics.lab.config import DEVICES, VERIFY_MODES
-    from kvmetrics.lab.engines import engine_names
+    from kvmetrics.lab.engine.config import ACCOUNTINGS, POLICIES, RECOVERIES
+    from kvmetrics.lab.engine.connector import LOAD_MODES
+    from kvmetrics.lab.engine_registry import engine_names
     from kvmetrics.lab.synthetic import DESCRIPTIONS
     from kvmetrics.lab.traces import FORMATS
 
@@ -222,9 +222,9 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvmetrics.engine.faults import FaultPlanError
-    from kvmetrics.kv_errors import is_verification_error
     from kvmetrics.lab.config import LabError
+    from kvmetrics.lab.engine.faults import FaultPlanError
+    from kvmetrics.lab.kv_errors import is_verification_error
     from kvmetrics.lab.report import ReportUnavailable, require_report_support
     from kvmetrics.lab.runner import EngineStalled, run_lab
     from kvmetrics.lab.traces import TraceError

@@ -60,9 +60,9 @@ def _scenarios(text: str) -> int:
 
 
 def _add(p: argparse.ArgumentParser) -> None:
-    from kvmetrics.engine.config import ACCOUNTINGS, RECOVERIES
     from kvmetrics.lab.config import VERIFY_MODES
-    from kvmetrics.lab.engines import engine_names
+    from kvmetrics.lab.engine.config import ACCOUNTINGS, RECOVERIES
+    from kvmetrics.lab.engine_registry import engine_names
 
     p.add_argument("--scenarios", type=_scenarios, default=100, metavar="N",
                    help="scenarios in the whole campaign (default 100)")

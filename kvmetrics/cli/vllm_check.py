@@ -41,8 +41,8 @@ def _add(p: argparse.ArgumentParser) -> None:
 def reproduction(defect_id: str) -> str:
     """The defect's reproduction, as the patch series of docs/vllm-patches/ adds it to
     vLLM's own test file, with a header that says where it goes and how to run it."""
-    from kvmetrics.integrations.vllm_lab.series import FIXES
-    from kvmetrics.integrations.vllm_lab.series import reproduction as added_test
+    from kvmetrics.lab.vllm.series import FIXES
+    from kvmetrics.lab.vllm.series import reproduction as added_test
 
     fix = FIXES[defect_id]
     path = fix.reproduction.split("::")[0]
@@ -70,11 +70,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _print_reproduction(defect_id: str) -> int:
-    from kvmetrics.integrations.vllm_lab.defect_regimes import SEVERITY
+    from kvmetrics.lab.vllm.defect_regimes import SEVERITY
 
     if defect_id not in SEVERITY:
         return fail(f"unknown defect {defect_id!r} (choose from {', '.join(SEVERITY)})")
-    from kvmetrics.integrations.vllm_lab.series import PATCHES
+    from kvmetrics.lab.vllm.series import PATCHES
 
     if not PATCHES.is_dir():
         return fail(f"{PATCHES} not found next to this kvmetrics: --repro needs a source "
@@ -85,7 +85,7 @@ def _print_reproduction(defect_id: str) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     try:
-        from kvmetrics.integrations.vllm_lab import canaries
+        from kvmetrics.lab.vllm import canaries
     except ImportError as e:
         return fail(f"vllm-check needs vLLM installed ({e}); {VLLM_INSTALL_HINT}")
     known = [d.id for d in canaries.DEFECTS]

@@ -6,8 +6,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from kvmetrics.engine.config import ACCOUNTINGS, POLICIES, RECOVERIES
-from kvmetrics.engine.connector import LOAD_MODES
+from kvmetrics.lab.engine.config import ACCOUNTINGS, POLICIES, RECOVERIES
+from kvmetrics.lab.engine.connector import LOAD_MODES
 from kvmetrics.lab.synthetic import DESCRIPTIONS
 from kvmetrics.lab.traces import FORMATS
 from kvmetrics.metrics.labels import check_label_value
@@ -103,7 +103,7 @@ class LabConfig:
     DEFAULT_SYNTHETIC_REQUESTS = 300
 
     def validate(self) -> None:
-        # The engine name is checked where engines are looked up (kvmetrics.lab.engines).
+        # The engine name is checked where engines are looked up (kvmetrics.lab.engine_registry).
         if self.trace is None:
             _choice("workload", self.workload, tuple(DESCRIPTIONS))
         _choice("trace format", self.trace_format, FORMATS)

@@ -1,7 +1,7 @@
 """Findings explained: what the verifier and the metrics guard found, and why.
 
 The verifier reports *that* a request read bad KV; the data plane's provenance
-(:mod:`kvmetrics.kv.provenance`) says which event made that KV bad and what
+(:mod:`kvmetrics.lab.kv.provenance`) says which event made that KV bad and what
 happened to its owner afterwards. This module turns the two into what a person
 acts on: how many reads, requests and blocks, from which step, the cause when
 it is one of the known ones (with the docs section and the option that avoids
@@ -57,7 +57,7 @@ READ_BEFORE_RECOMPUTE = Cause(
 POISONED_SAVE = Cause(
     "poisoned_save", True,
     "KV computed over a failed block was saved to the external store and loaded back "
-    "later", "kvmetrics/kv/runner.py (SAVE_POLICIES)", "the discard-aware save rule")
+    "later", "kvmetrics/lab/kv/runner.py (SAVE_POLICIES)", "the discard-aware save rule")
 UNKNOWN = Cause("unknown", False, "unknown: the data plane did not poison this block "
                 "itself (not a failed load, nor a read of one), or its owner neither left "
                 "nor was preempted before the read")

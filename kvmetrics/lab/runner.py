@@ -10,8 +10,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvmetrics.engine.config import RECOVERY_MODES, ConfigError, SchedulerConfig
-from kvmetrics.engine.faults import FaultPlan, FaultPlanError
 from kvmetrics.exporters.prometheus import (
     MetricsServer,
     PrometheusSink,
@@ -19,12 +17,14 @@ from kvmetrics.exporters.prometheus import (
     serve,
 )
 from kvmetrics.exporters.tls import TLSOptions
-from kvmetrics.instrument.wrapper import InstrumentedEngine
-from kvmetrics.kv_errors import is_verification_error
 from kvmetrics.lab import synthetic
 from kvmetrics.lab.config import LabConfig, LabError
-from kvmetrics.lab.engines import build_engine
+from kvmetrics.lab.engine.config import RECOVERY_MODES, ConfigError, SchedulerConfig
+from kvmetrics.lab.engine.faults import FaultPlan, FaultPlanError
+from kvmetrics.lab.engine_registry import build_engine
 from kvmetrics.lab.findings import explain_findings, explain_violations
+from kvmetrics.lab.instrument import InstrumentedEngine
+from kvmetrics.lab.kv_errors import is_verification_error
 from kvmetrics.lab.progress import Progress
 from kvmetrics.lab.summary import build_summary
 from kvmetrics.lab.timeline import TimelineSink

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import Any
 
-from kvmetrics.engine.config import ACCOUNTINGS, RECOVERIES
 from kvmetrics.lab.config import VERIFY_MODES
+from kvmetrics.lab.engine.config import ACCOUNTINGS, RECOVERIES
 from kvmetrics.metrics import strict_json
 
 #: Bumped when the report's shape changes; a merge refuses other versions

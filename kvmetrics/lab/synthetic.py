@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from kvmetrics.engine.tokens import VOCAB_SIZE, ExplicitTokens
+from kvmetrics.lab.engine.tokens import VOCAB_SIZE, ExplicitTokens
 from kvmetrics.lab.workload import WorkItem
 
 #: One line each; ``kvmetrics workloads`` prints this table.

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvmetrics.engine.tokens import VOCAB_SIZE, BlockSeededTokens, ExplicitTokens, PromptTokens
+from kvmetrics.lab.engine.tokens import VOCAB_SIZE, BlockSeededTokens, ExplicitTokens, PromptTokens
 from kvmetrics.lab.workload import WorkItem
 from kvmetrics.metrics import strict_json
 from kvmetrics.metrics.files import FileRefused, open_regular

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvmetrics.engine.tokens import PromptTokens
+from kvmetrics.lab.engine.tokens import PromptTokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,7 +81,7 @@ INVARIANTS = (
     "counters_monotonic",         # every exported counter series is non-decreasing
 )
 #: The vLLM methods the instrumented scheduler hooks and the vLLM state it reads (the
-#: tables in kvmetrics/integrations/vllm/hooks.py; a test keeps them equal).
+#: tables in kvmetrics/vllm/hooks.py; a test keeps them equal).
 HOOKS = (
     "scheduler.schedule", "scheduler.update_from_output", "scheduler._preempt_request",
     "scheduler._free_request", "scheduler._handle_invalid_blocks",
@@ -89,7 +89,7 @@ HOOKS = (
     "kv_cache_manager.record_prefix_cache_stats", "kv_cache_manager.evict_blocks",
     "kv_cache_manager.reset_prefix_cache", "block_pool._maybe_evict_cached_block",
     "connector.update_state_after_alloc",
-    # vLLM state the hooks read (integrations/vllm/hooks.py ATTRIBUTES).
+    # vLLM state the hooks read (kvmetrics/vllm/hooks.py ATTRIBUTES).
     "scheduler.requests", "scheduler.running", "scheduler.waiting",
     "scheduler.kv_holding_waiting", "scheduler.recompute_kv_load_failures",
     "kv_cache_manager.usage", "block_pool.num_gpu_blocks", "block_pool.blocks",
@@ -97,7 +97,7 @@ HOOKS = (
 )
 
 #: The instrumented scheduler's comparisons of a figure it derives from vLLM's internals
-#: with the one vLLM computes itself (kvmetrics/integrations/vllm/selfcheck.py).
+#: with the one vLLM computes itself (kvmetrics/vllm/selfcheck.py).
 SELF_CHECKS = (
     "requests_running",                # len(running) vs vLLM's get_request_counts()
     "requests_waiting",                # kvmetrics' walk of vLLM's waiting queues vs vLLM's

@@ -4,10 +4,10 @@ A figure kvmetrics derives from vLLM's internals can go wrong without an error w
 changes under it (the work moved past a hook, arithmetic moved to a caller). Where vLLM
 computes the same figure itself, whether or not it logs statistics, the instrumented
 scheduler compares the two as the events happen and counts a mismatch in
-``kvmetrics_self_check_failures_total{check}`` (:mod:`kvmetrics.integrations.vllm.selfcheck`).
+``kvmetrics_self_check_failures_total{check}`` (:mod:`kvmetrics.vllm.selfcheck`).
 Where vLLM computes nothing independent, the family says so here (``checks`` empty, and
 why), and the only guard is the verified set: every vLLM function on its code path is
-fingerprinted (:mod:`kvmetrics.integrations.vllm.source_hashes`), so changed code there
+fingerprinted (:mod:`kvmetrics.vllm.source_hashes`), so changed code there
 shows as ``kvmetrics_build_info{vllm_verified="false"}``. A test keeps this table
 complete and keeps those paths inside the verified set.
 """

@@ -26,7 +26,7 @@ def scripted_faults_config(storage: Path, policy: str, fault_loads: list[int],
     if inner_module_path is not None:
         extra["inner_module_path"] = inner_module_path
     return {"kv_connector": "FaultInjectingConnector",
-            "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
+            "kv_connector_module_path": "kvmetrics.faults.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": policy,
             "kv_connector_extra_config": extra}
 

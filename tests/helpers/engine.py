@@ -10,15 +10,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvmetrics.engine.connector import StoreConnector
-from kvmetrics.engine.executor import SimulatedExecutor
-from kvmetrics.engine.external_store import ExternalStoreIndex
-from kvmetrics.engine.faults import FaultPlan, ScriptedFailure
-from kvmetrics.engine.outputs import ModelRunnerOutput, SchedulerOutput
-from kvmetrics.engine.request import Request
-from kvmetrics.engine.scheduler import Scheduler, SchedulerConfig
-from kvmetrics.engine.tokens import ExplicitTokens
-from kvmetrics.instrument.wrapper import InstrumentedEngine
+from kvmetrics.lab.engine.connector import StoreConnector
+from kvmetrics.lab.engine.executor import SimulatedExecutor
+from kvmetrics.lab.engine.external_store import ExternalStoreIndex
+from kvmetrics.lab.engine.faults import FaultPlan, ScriptedFailure
+from kvmetrics.lab.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from kvmetrics.lab.engine.request import Request
+from kvmetrics.lab.engine.scheduler import Scheduler, SchedulerConfig
+from kvmetrics.lab.engine.tokens import ExplicitTokens
+from kvmetrics.lab.instrument import InstrumentedEngine
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
 BLOCK = 16

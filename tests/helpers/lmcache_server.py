@@ -124,6 +124,6 @@ def lmcache_transfer(cache: LMCacheServer, policy: str = "recompute",
         return {**config, "kv_connector": "LMCacheMPConnector",
                 "kv_connector_extra_config": cache.connector_extra()}
     return {**config, "kv_connector": "FaultInjectingLMCacheMPConnector",
-            "kv_connector_module_path": "kvmetrics.integrations.vllm.faults",
+            "kv_connector_module_path": "kvmetrics.faults.connector",
             "kv_connector_extra_config": {"inner_extra_config": cache.connector_extra(),
                                           **faults}}

@@ -16,10 +16,10 @@ from typing import Any
 import prometheus_client
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.engine.scheduler import SchedulerConfig
-from kvmetrics.integrations.vllm_lab import engine as engine_module
-from kvmetrics.integrations.vllm_lab.differential import (
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.vllm import engine as engine_module
+from kvmetrics.lab.vllm.differential import (
     random_workload,
     run_vllm,
     vllm_faithful,

@@ -66,7 +66,7 @@ def nixl_transfer(policy: str = "recompute", wrapped: dict[str, Any] | None = No
                               "kv_connector_extra_config": nixl_settings}
     if wrapped is not None:
         config.update(kv_connector="FaultInjectingNixlConnector",
-                      kv_connector_module_path="kvmetrics.integrations.vllm.faults",
+                      kv_connector_module_path="kvmetrics.faults.connector",
                       kv_connector_extra_config={**wrapped, "inner_extra_config": nixl_settings})
     return config
 

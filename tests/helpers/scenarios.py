@@ -6,7 +6,7 @@ nothing run yet, so a test can step it and look in between.
 
 from __future__ import annotations
 
-from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.engine import (
     BLOCK,

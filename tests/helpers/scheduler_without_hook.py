@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from kvmetrics.integrations.vllm.scheduler import InstrumentedScheduler
+from kvmetrics.vllm.scheduler import InstrumentedScheduler
 
 if "_handle_failed_recving" in vars(Scheduler):
     del Scheduler._handle_failed_recving

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 from benchmarks.vllm_server import ROOT, ServerError
-from kvmetrics.integrations.vllm_lab.series import series
+from kvmetrics.lab.vllm.series import series
 
 #: What the series changes in vLLM's package (its other hunks are vLLM's tests).
 CHANGED = ("vllm/v1/core/sched/scheduler.py",)

@@ -21,7 +21,7 @@ import sys
 
 from kvmetrics.exporters import mmap_space
 from kvmetrics.exporters.prometheus import TLSOptions
-from kvmetrics.integrations.vllm.exporting import ExportSettings, build_exporter
+from kvmetrics.vllm.exporting import ExportSettings, build_exporter
 from tests.helpers.workload import drive, random_workload, rig_for
 
 

@@ -3,7 +3,7 @@
 An oracle the lab's own classifier does not share: each seed's scenario runs on
 vLLM's real scheduler as shipped, then with the patch series of
 ``docs/vllm-patches/`` applied up to each of its patches (to a scratch copy of the
-installed scheduler, as :mod:`kvmetrics.integrations.vllm_lab.patched` does for the canaries; the
+installed scheduler, as :mod:`kvmetrics.lab.vllm.patched` does for the canaries; the
 last is the whole series). A seed whose stale reads vanish once a patch is added is
 attributed to that patch's defects.
 
@@ -24,10 +24,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvmetrics.integrations.vllm.scheduler import InstrumentedMixin
-from kvmetrics.integrations.vllm_lab import builder
-from kvmetrics.integrations.vllm_lab.patched import installed_series, patched_target
 from kvmetrics.lab.soak import run_scenario
+from kvmetrics.lab.vllm import builder
+from kvmetrics.lab.vllm.patched import installed_series, patched_target
+from kvmetrics.vllm.scheduler import InstrumentedMixin
 
 #: Instrumented scheduler classes over patched vLLM, built once per set of patches:
 #: copying, patching and importing vLLM's scheduler takes about a second, and a full

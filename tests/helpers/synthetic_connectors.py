@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from kvmetrics.integrations.vllm.faults import fault_injecting
+from kvmetrics.faults.connector import fault_injecting
 
 
 class SupportsTeleport(ABC):

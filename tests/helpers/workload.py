@@ -10,9 +10,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from kvmetrics.engine.executor import EOS_TOKEN_ID
-from kvmetrics.engine.faults import FaultPlan
-from kvmetrics.engine.scheduler import SchedulerConfig
+from kvmetrics.lab.engine.executor import EOS_TOKEN_ID
+from kvmetrics.lab.engine.faults import FaultPlan
+from kvmetrics.lab.engine.scheduler import SchedulerConfig
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.engine import Rig, block_hashes, build_rig, make_request, preload
 

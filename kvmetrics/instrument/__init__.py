@@ -1,1 +1,0 @@
-"""Wrappers that attach the metrics pipeline to an engine without changing its decisions."""
