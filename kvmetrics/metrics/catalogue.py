@@ -106,6 +106,7 @@ SELF_CHECKS = (
     "kv_load_failed_requests",         # failed-load requests vs vLLM's recovery log line
     "preemptions",                     # a finished request's preemptions vs vLLM's own count
     "prompt_tokens",                   # an admission's prompt tokens by source vs vLLM's split
+    "vllm_kv_load_stats",              # KV-load failure figures vs vLLM's own, where it has them
 )
 
 #: Microseconds to seconds: the recovery path is a few dict look-ups when one

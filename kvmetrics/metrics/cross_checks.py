@@ -31,6 +31,10 @@ class CrossCheck:
 
 
 _NO_STATS = "with statistics off vLLM keeps no count of it"
+#: The four figures a vLLM with docs/vllm-patches/0005 reports itself; on such a vLLM
+#: kvmetrics compares them at every recorded step (kvmetrics/vllm/native_stats.py).
+_WITH_0005 = ("; a vLLM with kv_load_failure_stats (docs/vllm-patches/0005) is compared "
+              "with at every recorded step (vllm_kv_load_stats)")
 
 CROSS_CHECKS: dict[str, CrossCheck] = {
     cat.PROMPT_TOKENS.name: CrossCheck(
@@ -53,15 +57,17 @@ CROSS_CHECKS: dict[str, CrossCheck] = {
         "every request kvmetrics tracks must still be in vLLM's requests table"),
     cat.KV_LOAD_FAILED_REQUESTS.name: CrossCheck(
         ("kv_load_failed_requests",),
-        "each recovery call's count against vLLM's own, in its recovery log line"),
+        "each recovery call's count against vLLM's own, in its recovery log line"
+        + _WITH_0005),
     cat.KV_LOAD_BLOCKS.name: CrossCheck(
         (), "the outcomes are read from the connector's output itself (invalid_block_ids, "
-        "finished_recving, failed_recving): vLLM has no other count of loaded blocks"),
+        "finished_recving, failed_recving): vLLM has no other count of loaded blocks"
+        + _WITH_0005),
     cat.ROLLED_BACK_TOKENS.name: CrossCheck(
         (), "vLLM's recovery log line counts tokens of requests that share a failed block "
-        "differently (it adds the step's scheduled tokens): no equal figure"),
+        "differently (it adds the step's scheduled tokens): no equal figure" + _WITH_0005),
     cat.RECOMPUTED_TOKENS.name: CrossCheck(
-        (), "vLLM does not know which scheduled tokens it computed before"),
+        (), "vLLM does not know which scheduled tokens it computed before" + _WITH_0005),
     cat.EVICTED_BLOCKS.name: CrossCheck(
         (), f"{_NO_STATS}: its eviction events exist only with KV cache events or "
         "log_stats on (KVEventBatch, KVCacheMetricsCollector)"),

@@ -51,7 +51,7 @@ from kvmetrics.protect.recovery import (
     protected_over,
     recovery_setting,
 )
-from kvmetrics.vllm import fingerprints, hooks, owncost, step_end
+from kvmetrics.vllm import fingerprints, hooks, native_stats, owncost, step_end
 from kvmetrics.vllm.base_choice import log_scheduler_base
 from kvmetrics.vllm.event_hooks import EventHooks
 from kvmetrics.vllm.exporting import (
@@ -168,6 +168,11 @@ class InstrumentedMixin(StepEnd, EventHooks, _SchedulerBase):
             log.warning("kvmetrics: %s; kvmetrics was not verified on this vLLM code, so the "
                         "figures that depend on it may be wrong (docs/vllm.md, verified "
                         "versions)", verification.summary())
+        try:
+            kv.native_load = native_stats.available(self)
+        except Exception:
+            log.exception("kvmetrics could not tell whether vLLM reports KV-load failure "
+                          "figures; they are not compared")
         try:
             install_helper_wrappers(self, kv)
         except Exception as e:  # which were installed is unknown: all off, absent, counted
@@ -296,6 +301,11 @@ class InstrumentedMixin(StepEnd, EventHooks, _SchedulerBase):
             result = vllm_update(self, args[0], args[1])
         else:
             result = super().update_from_output(*args, **kwargs)
+        if kv.native_load:
+            try:
+                native_stats.add_step(kv, result)
+            except Exception:
+                native_stats.give_up(kv)
         try:
             if sampled:
                 t0 = perf_counter_ns()

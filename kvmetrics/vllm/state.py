@@ -51,7 +51,7 @@ class InstrumentState(StepRecorder):
                  "errors", "logged", "holding_attr", "ready", "self_checks", "read_gap_ns",
                  "read_next_ns", "cpu_report_next_ns", "cpu_alone_ns", "audit_every",
                  "audit_next", "charged_step", "charged_evict_calls", "samples", "cal",
-                 "recovery_tally")
+                 "recovery_tally", "native_load", "native_sum", "native_unread")
 
     def __init__(self, block_size: int, policy: str, has_connector: bool) -> None:
         super().__init__(block_size, policy, has_connector)
@@ -107,6 +107,12 @@ class InstrumentState(StepRecorder):
         #: Steps between two pool audits, and the first step the next one may run at.
         self.audit_every = 1
         self.audit_next = 1
+        #: This vLLM reports its own KV-load failure figures (native_stats): they are
+        #: read every step, summed until the next recorded step and compared there.
+        self.native_load = False
+        self.native_sum: list[int] | None = None
+        #: Reading them failed: one check failure to count with the next recorded step.
+        self.native_unread = False
 
     def timed(self, ns: int) -> None:
         """Count a timed call: its interval plus the clock read the interval missed."""

@@ -17,6 +17,7 @@ from typing import Any
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import PoolSnapshot, StepEvents
 from kvmetrics.metrics.guard import CounterViolationError
+from kvmetrics.vllm import native_stats
 from kvmetrics.vllm.exporting import LOGGER
 from kvmetrics.vllm.observe import report_fault
 from kvmetrics.vllm.state import GAUGES_HOOK, OUTPUT_HOOK, InstrumentState
@@ -155,6 +156,8 @@ class StepEnd:
     def _kv_fill(self, kv: InstrumentState, events: StepEvents, periodic: bool,
                  now: int) -> None:
         """Add the gauges (and the CPU estimate when due) to a step's events; record it."""
+        if kv.native_sum is not None or kv.native_unread:
+            native_stats.compare(kv, events)
         try:
             self._kv_gauges(kv, events, periodic)
         except Exception:
