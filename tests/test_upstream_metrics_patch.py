@@ -56,11 +56,14 @@ def test_vllm_counters_equal_kvmetrics_counts(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)
     mutated = results.pop("mutated-sync-recompute")
+    unreadable = results.pop("unreadable-sync-recompute")
     assert len(results) == 9
     # kvmetrics takes vLLM's figures as its check at run time: equal on every recorded
     # step, and a figure off by one is counted.
     assert all(run["compared"] and run["check_failures"] == 0 for run in results.values())
     assert mutated["compared"] and mutated["check_failures"] > 0
+    # Figures it cannot read: one failure counted, and no comparison from then on.
+    assert not unreadable["compared"] and unreadable["check_failures"] == 1
     for name, run in results.items():
         # vLLM shipped stats for every step it scheduled, and the workload did hit
         # failures.

@@ -118,6 +118,12 @@ def main() -> None:
 
     native_stats._read = off_by_one
     results["mutated-sync-recompute"] = _run("sync", "recompute", 5, False)
+
+    def unreadable(outputs: Any) -> list[int]:
+        raise AttributeError("kv_load_failure_stats")
+
+    native_stats._read = unreadable  # the comparison stops, counted once
+    results["unreadable-sync-recompute"] = _run("sync", "recompute", 5, False)
     json.dump(results, sys.stdout)
 
 
