@@ -10,7 +10,8 @@ the same ``schedule`` call before (with async scheduling, the next step's). So t
 sums must be equal at every recorded step; a difference is counted in
 ``kvmetrics_self_check_failures_total{check="vllm_kv_load_stats"}`` and logged once.
 
-Stock vLLM (0.28 to 0.34) has no such field: nothing here runs per step there. A
+Stock vLLM (0.28 to 0.34) has no such field: after the first step's stats show it,
+nothing here runs per step there. A
 vLLM whose stats cannot be read as expected counts one failure of the check, logs it
 and stops comparing (an unknown is never a pass).
 """
@@ -18,7 +19,6 @@ and stops comparing (an unknown is never a pass).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -46,19 +46,22 @@ FAMILIES: tuple[tuple[cat.MetricSpec, tuple[str | None, ...]], ...] = (
 
 
 def available(scheduler: Any) -> bool:
-    """Whether this vLLM reports the figures here: its ``SchedulerStats`` has the field
-    and this scheduler makes stats (``log_stats``) and has a KV connector."""
-    from vllm.v1.metrics.stats import SchedulerStats
-
-    names = {f.name for f in dataclasses.fields(SchedulerStats)}
-    return ("kv_load_failure_stats" in names and bool(getattr(scheduler, "log_stats", False))
+    """Whether this scheduler makes stats (``log_stats``) with a KV connector: then its
+    first step's stats say whether this vLLM has the figures (:func:`add_step`). Told
+    from the stats themselves, not by importing vLLM's stats module, whose code would
+    then join the fingerprinted set."""
+    return (bool(getattr(scheduler, "log_stats", False))
             and getattr(scheduler, "connector", None) is not None)
 
 
 def add_step(kv: InstrumentState, outputs: Any) -> None:
     """Add one step's figures (from ``update_from_output``'s result) to those not yet
-    compared; a step with any makes kvmetrics record it."""
+    compared; a step with any makes kvmetrics record it. A vLLM whose stats have no
+    such field (every release to 0.34) is not read again."""
     figures = _read(outputs)
+    if figures is None:
+        kv.native_load = False
+        return
     pending = kv.native_sum
     if pending is None:
         kv.native_sum = figures
@@ -68,10 +71,13 @@ def add_step(kv: InstrumentState, outputs: Any) -> None:
         kv.must_record = True
 
 
-def _read(outputs: Any) -> list[int]:
+def _read(outputs: Any) -> list[int] | None:
+    """The step's four figures; None when vLLM's stats have no such field."""
     for eco in outputs.values():
         stats = eco.scheduler_stats
         if stats is not None:
+            if not hasattr(stats, "kv_load_failure_stats"):
+                return None
             figures = stats.kv_load_failure_stats
             if figures is None:
                 return [0, 0, 0, 0]

@@ -110,9 +110,9 @@ def main() -> None:
     # failed-block figure off by one on every step that has failed blocks.
     read = native_stats._read
 
-    def off_by_one(outputs: Any) -> list[int]:
+    def off_by_one(outputs: Any) -> list[int] | None:
         figures = read(outputs)
-        if figures[0]:
+        if figures and figures[0]:
             figures[0] += 1
         return figures
 
