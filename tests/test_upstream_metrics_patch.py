@@ -74,3 +74,29 @@ def test_vllm_counters_equal_kvmetrics_counts(tmp_path: Path) -> None:
         assert run["vllm"]["vllm:kv_load_rolled_back_tokens_total"] > 0, name
         recomputed = run["vllm"]["vllm:kv_load_recomputed_tokens_total"]
         assert (recomputed > 0) == name.endswith("recompute"), name
+
+
+def test_blocks_of_a_load_failed_whole_are_left_out_of_the_comparison() -> None:
+    """vLLM counts no block for a load a connector failed whole (``failed_recving``);
+    kvmetrics counts all of them as failed, so the comparison leaves them out, and
+    still counts a difference in the blocks vLLM does count."""
+    from types import SimpleNamespace
+
+    from kvmetrics.metrics import catalogue as cat
+    from kvmetrics.metrics.events import StepEvents
+    from kvmetrics.vllm import native_stats
+    from kvmetrics.vllm.selfcheck import SelfChecks
+
+    def failures(theirs: list[int]) -> float:
+        kv = SimpleNamespace(native_sum=theirs, native_unread=False, disabled=frozenset(),
+                             self_checks=SelfChecks())
+        events = StepEvents(step=1)
+        events.loaded_blocks("async", 0, 4, whole_load=True)  # a load failed whole
+        events.loaded_blocks("sync", 5, 2)  # two blocks in invalid_block_ids
+        events.failed_load_request("sync", "recompute", "rescheduled", "r1")
+        native_stats.compare(kv, events)  # type: ignore[arg-type]
+        return sum(i.amount for i in events.increments if i.spec is cat.SELF_CHECK_FAILURES)
+
+    assert failures([2, 1, 0, 0]) == 0
+    assert failures([6, 1, 0, 0]) == 1
+    assert failures([2, 2, 0, 0]) == 1

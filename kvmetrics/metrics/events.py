@@ -85,6 +85,9 @@ class StepEvents:
     #: Tokens scheduled in the failed step whose output the recovery path threw
     #: away; they are recomputed later and so bound the recompute invariant.
     discarded_tokens: int = 0
+    #: Of the failed blocks counted, those of loads a connector failed whole
+    #: (``failed_recving``): vLLM's own failed-block figure leaves them out.
+    whole_load_failed_blocks: int = 0
 
     # -- helpers that keep label order and names in one place -----------------
 
@@ -116,9 +119,11 @@ class StepEvents:
     def prompt_tokens(self, source: str, amount: int, request_id: str) -> None:
         self.count(cat.PROMPT_TOKENS, amount, source, request_id=request_id)
 
-    def loaded_blocks(self, mode: str, ok: int, failed: int) -> None:
+    def loaded_blocks(self, mode: str, ok: int, failed: int, whole_load: bool = False) -> None:
         self.count(cat.KV_LOAD_BLOCKS, ok, mode, "ok")
         self.count(cat.KV_LOAD_BLOCKS, failed, mode, "failed")
+        if whole_load:
+            self.whole_load_failed_blocks += failed
 
     def failed_load_request(self, mode: str, policy: str, action: str, request_id: str) -> None:
         self.count(cat.KV_LOAD_FAILED_REQUESTS, 1, mode, policy, action, request_id=request_id)

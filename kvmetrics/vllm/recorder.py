@@ -204,7 +204,7 @@ class StepRecorder:
         for rid in failed_recving:
             load = self.async_loads.pop(rid, None)
             if load is not None:
-                ev.loaded_blocks("async", 0, len(load.block_ids))
+                ev.loaded_blocks("async", 0, len(load.block_ids), whole_load=True)
                 counted = True
         for rid in finished_recving:
             load = self.async_loads.pop(rid, None)
