@@ -42,7 +42,7 @@ def test_in_memory_reader_totals_equal_the_prometheus_totals() -> None:
     points = []
     data = reader.get_metrics_data()
     for rm in data.resource_metrics:
-        assert rm.resource.attributes["kvmetrics.lab.engine"] == "2"
+        assert rm.resource.attributes["kvmetrics.engine"] == "2"
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 if isinstance(metric.data, Sum):
@@ -77,7 +77,7 @@ def test_otlp_http_push_delivers_the_prometheus_totals() -> None:
     assert received == counters_from_page(page) == pipeline_counters(pipeline)
     resource = receiver.resource_attributes()[-1]
     assert resource["service.name"] == "kvmetrics"
-    assert (resource["kvmetrics.model_name"], resource["kvmetrics.lab.engine"]) == ("opt-125m", "2")
+    assert (resource["kvmetrics.model_name"], resource["kvmetrics.engine"]) == ("opt-125m", "2")
 
 
 def test_otlp_endpoint_is_completed_with_the_metrics_path() -> None:

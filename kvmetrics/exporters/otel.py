@@ -118,7 +118,7 @@ def make_provider(readers: Sequence[MetricReader], *, model_name: str, engine: s
         "service.instance.id": instance_id,
         "service.version": __version__,
         "kvmetrics.model_name": model_name,
-        "kvmetrics.lab.engine": engine,
+        "kvmetrics.engine": engine,
         "kvmetrics.engine_kind": engine_kind,
     })
     return MeterProvider(metric_readers=list(readers), resource=resource)
