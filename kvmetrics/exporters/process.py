@@ -84,8 +84,6 @@ class _PrivateDirectory:
     path: str
     #: Exporters of this process serving ``path`` now.
     users: int
-    #: ``PROMETHEUS_MULTIPROC_DIR`` before this process set it (None: unset).
-    env_before: str | None
     #: Whether prometheus-client wrote values in memory before (then it does again).
     values_in_memory_before: bool
 
@@ -116,8 +114,7 @@ def _lease_directory() -> tuple[str, bool]:
         except OSError as e:  # TMPDIR missing, full or not writable
             raise ServeFailed(f"cannot make a directory for the metric files: "
                               f"{e.strerror or e}") from None
-        _private = _PrivateDirectory(path, 1, os.environ.get("PROMETHEUS_MULTIPROC_DIR"),
-                                     values_in_memory())
+        _private = _PrivateDirectory(path, 1, values_in_memory())
         return path, True
 
 
@@ -135,11 +132,9 @@ def _release_directory(path: str) -> None:
             return
         _private = None
         shutil.rmtree(path, ignore_errors=True)
+        # It was unset when the lease began (else the user's directory is used).
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR") == path:
-            if private.env_before is None:
-                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-            else:
-                os.environ["PROMETHEUS_MULTIPROC_DIR"] = private.env_before
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         if private.values_in_memory_before:
             switch_to_memory_values()
 

@@ -65,6 +65,20 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+def metric_for(spec: MetricSpec,
+               registry: CollectorRegistry | None) -> Counter | Gauge | Histogram:
+    """prometheus-client's metric for a catalogue family, as every kvmetrics page serves
+    it (no ``_created`` samples; a gauge's multiprocess mode by family)."""
+    labels = spec.label_names
+    if spec.kind == "counter":
+        return CounterWithoutCreated(spec.base_name, spec.help, labels, registry=registry)
+    if spec.kind == "histogram":
+        return HistogramWithoutCreated(spec.name, spec.help, labels, registry=registry,
+                                       buckets=spec.buckets)
+    mode = _MULTIPROC_GAUGE_MODE.get(spec.name, "livemostrecent")
+    return Gauge(spec.name, spec.help, labels, registry=registry, multiprocess_mode=mode)
+
+
 #: Label sets one family may grow to before new ones are dropped (and counted).
 #: Every catalogue label but model_name/engine is enumerable (about 50 sets per
 #: engine at most), so this only bites on a runaway model_name or engine value.
@@ -125,7 +139,7 @@ class PrometheusSink:
         for spec in ALL_METRICS:
             if self._step_gauges is not None and spec in _STEP_GAUGES:
                 continue
-            self._metrics[spec.name] = self._create(spec, target)
+            self._metrics[spec.name] = metric_for(spec, target)
         if self._step_gauges is not None:
             registry.register(self._step_gauges)
         self._children: dict[tuple[str, tuple[str, ...]], _Series] = {}
@@ -134,19 +148,6 @@ class PrometheusSink:
         self._engines: set[tuple[str, ...]] = set()
         self.max_series_per_family = max_series_per_family
         self.max_engines = max_engines
-
-    @staticmethod
-    def _create(spec: MetricSpec,
-                registry: CollectorRegistry | None) -> Counter | Gauge | Histogram:
-        labels = spec.label_names
-        if spec.kind == "counter":
-            return CounterWithoutCreated(spec.base_name, spec.help, labels, registry=registry)
-        if spec.kind == "histogram":
-            return HistogramWithoutCreated(spec.name, spec.help, labels, registry=registry,
-                                           buckets=spec.buckets)
-        mode = _MULTIPROC_GAUGE_MODE.get(spec.name, "livemostrecent")
-        return Gauge(spec.name, spec.help, labels, registry=registry,
-                     multiprocess_mode=mode)
 
     def _child(self, spec: MetricSpec, values: tuple[str, ...],
                count: bool = True) -> _Series | None:

@@ -29,17 +29,13 @@ import signal
 import socket
 import sys
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from kvmetrics.exporters.admission import ServerLimits
 from kvmetrics.exporters.mmap_space import reserve_multiprocess_space
 from kvmetrics.exporters.multiprocess import TolerantMultiProcessCollector
-from kvmetrics.exporters.process import ENGINE_LIVES
-from kvmetrics.exporters.prometheus import serve
-from kvmetrics.exporters.prometheus_internals import (
-    CounterWithoutCreated,
-    switch_to_multiprocess_values,
-)
+from kvmetrics.exporters.process import ENGINE_LIVES, use_multiprocess_values
+from kvmetrics.exporters.prometheus import metric_for, serve
 from kvmetrics.exporters.tls import TLSConfigError, TLSOptions
 from kvmetrics.metrics.catalogue import SCRAPE_ERRORS
 
@@ -72,11 +68,11 @@ class _LeftOutFiles:
     whose file stays."""
 
     def __init__(self, directory: str, labels: tuple[str, str]) -> None:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
         reserve_multiprocess_space()
-        switch_to_multiprocess_values()
-        self._counter = CounterWithoutCreated(SCRAPE_ERRORS.base_name, SCRAPE_ERRORS.help,
-                                              SCRAPE_ERRORS.label_names, registry=None)
+        use_multiprocess_values(directory)
+        counter = metric_for(SCRAPE_ERRORS, None)
+        assert isinstance(counter, Counter)  # the catalogue declares it a counter
+        self._counter = counter
         self._labels = labels
         self._warned = False
 
@@ -168,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, OverflowError) as e:
         _report(lifeline, f"error {_bind_reason(e)}")
         return 1
-    engine_gone = stopped = False
+    #: At EOF: whether the engine stopped us on purpose (it lives on, and other
+    #: exporters of it may share the directory: it removes the directory itself) or
+    #: died. None: interrupted before EOF.
+    stopped: bool | None = None
     try:
         _report(lifeline, f"bound {server.port} {server.url}")
         said = b""
@@ -178,15 +177,13 @@ def main(argv: list[str] | None = None) -> int:
             while chunk := lifeline.recv(64):
                 said += chunk[:1]
         exiting = True
-        # Stopped (the engine lives on, and other exporters of it may share the
-        # directory: it removes the directory itself), or dead.
         stopped = ENGINE_LIVES in said
-        engine_gone = not stopped
     finally:
         exiting = True
         # A SIGTERM of our own (someone killed the exporter alone) keeps the files: the
         # engine lives, writes on and starts another exporter.
-        if args.owns_dir and not stopped and (engine_gone or _at_eof(lifeline)):
+        engine_died = stopped is False or (stopped is None and _at_eof(lifeline))
+        if args.owns_dir and engine_died:
             shutil.rmtree(args.dir, ignore_errors=True)
         server.stop()
     return 0
