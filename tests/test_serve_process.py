@@ -32,10 +32,13 @@ SEED = "7"
 
 
 class Engine:
-    def __init__(self, mode: str, addr: str = "127.0.0.1:0", *tls_files: str) -> None:
+    def __init__(self, mode: str, addr: str = "127.0.0.1:0", *tls_files: str,
+                 tmpdir: Path | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        if tmpdir is not None:
+            env["TMPDIR"] = str(tmpdir)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.serve_engine", mode, addr, SEED, *tls_files],
             cwd=REPO,
@@ -191,6 +194,68 @@ def test_a_killed_engine_takes_its_exporter_and_files_with_it(engines: list[Engi
     engine.proc.wait(timeout=30)
     assert procs.wait_gone(child, 30)
     assert not os.path.exists(engine.info["dir"])
+
+
+def test_an_engine_killed_with_its_exporter_leaves_files_the_next_start_removes(
+        engines: list[Engine], tmp_path: Path) -> None:
+    """``vllm serve``'s shutdown SIGKILLs the EngineCore and every process below it at
+    once (its log: "force killing sub process"): neither can remove the directory."""
+    first = Engine("process", tmpdir=tmp_path)
+    engines.append(first)
+    os.kill(first.info["child"], signal.SIGKILL)
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait(timeout=30)
+    assert os.path.isdir(first.info["dir"])
+    second = Engine("process", tmpdir=tmp_path)
+    engines.append(second)
+    assert not os.path.exists(first.info["dir"])
+    assert os.path.isdir(second.info["dir"])
+    assert "removed 1 metric file directory left in" in second.proc.stderr.readline()
+
+
+def test_only_unmistakable_directories_of_dead_engines_are_removed(tmp_path: Path) -> None:
+    """Run as root in a shared temporary folder: everything that is not exactly what an
+    engine leaves (a link, a foreign file, another owner, a live engine, a FIFO) stays."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, live = gone.pid, os.getpid()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (elsewhere / "counter_1.db").write_bytes(b"keep")
+
+    def made(name: str, files: dict[str, bytes], mode: int = 0o700) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        for file, data in files.items():
+            (path / file).write_bytes(data)
+        path.chmod(mode)
+        return path
+
+    value_files = {"counter_7.db": b"x", "gauge_livemostrecent_7.db": b"y"}
+    stale = made(f"kvmetrics-{dead}-abcd_123", value_files)
+    empty = made(f"kvmetrics-{dead}-abcd_124", {})
+    kept = [
+        made(f"kvmetrics-{live}-abcd_123", value_files),
+        made(f"kvmetrics-{dead}-abcd_125", {**value_files, "notes.txt": b"mine"}),
+        made(f"kvmetrics-{dead}-abcd_126", value_files, mode=0o755),
+        made(f"kvmetrics-{dead}-abcd_12", value_files),  # not mkdtemp's name
+        made(f"kvmetrics-{dead}-abcd_127", {}),
+        tmp_path / f"kvmetrics-{dead}-abcd_128",
+        tmp_path / f"kvmetrics-{dead}-abcd_129",
+        made(f"kvmetrics-{dead}-abcd_130", value_files),
+        made("kvmetrics-9999999999-abcd_123", value_files),
+    ]
+    (kept[4] / "counter_8.db").symlink_to(elsewhere / "counter_1.db")
+    kept[5].symlink_to(elsewhere, target_is_directory=True)
+    os.mkfifo(kept[6])
+    os.chown(kept[7], 65534, 65534)  # nobody's
+    from kvmetrics.exporters.private_dirs import remove_left_behind
+
+    assert remove_left_behind(str(tmp_path)) == 2
+    assert not stale.exists() and not empty.exists()
+    assert all(os.path.lexists(path) for path in kept)
+    assert (elsewhere / "counter_1.db").read_bytes() == b"keep"
+    assert sorted(p.name for p in kept[1].iterdir()) == sorted([*value_files, "notes.txt"])
 
 
 def test_a_connection_flood_reaches_no_thread_of_the_engine(engines: list[Engine]) -> None:

@@ -26,6 +26,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
+from kvmetrics.exporters.private_dirs import private_multiprocess_dir, remove_left_behind
 from kvmetrics.exporters.prometheus import multiprocess_dir
 from kvmetrics.exporters.prometheus_internals import (
     switch_to_memory_values,
@@ -52,12 +53,6 @@ ENGINE_LIVES = b"k"
 
 class ServeFailed(Exception):
     """The child could not serve: its one-line reason."""
-
-
-def private_multiprocess_dir() -> str:
-    """A new directory only this user can enter (mode 0700), made by ``mkdir`` of a
-    random name: nothing planted at a predictable name can be followed."""
-    return tempfile.mkdtemp(prefix=f"kvmetrics-{os.getpid()}-")
 
 
 def use_multiprocess_values(directory: str) -> None:
@@ -109,6 +104,10 @@ def _lease_directory() -> tuple[str, bool]:
             return directory, True
         if directory is not None:
             return directory, False  # the user's: never removed by kvmetrics
+        if removed := remove_left_behind():
+            log.info("kvmetrics: removed %d metric file director%s left in %s by engines "
+                     "that were killed", removed, "y" if removed == 1 else "ies",
+                     tempfile.gettempdir())
         try:
             path = private_multiprocess_dir()
         except OSError as e:  # TMPDIR missing, full or not writable
