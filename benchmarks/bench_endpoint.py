@@ -377,6 +377,7 @@ if __name__ == "__main__":
     if "--serve-process" in sys.argv:  # the flood against serve=process, alone
         from benchmarks.endpoint_process import run as run_serve_process
 
-        print(render(run_serve_process(quick="--quick" in sys.argv)))
+        print(render(run_serve_process(quick="--quick" in sys.argv,
+                                       pin="--no-pin" not in sys.argv)))
     else:
         print(render(run(quick="--quick" in sys.argv)))
