@@ -73,6 +73,7 @@ def test_the_table_prints_no_verdict_when_the_aa_control_is_off() -> None:
     assert alone.ok is None and "one process" in alone.target
 
 
+@pytest.mark.vllm
 def test_kvmetrics_reads_its_gauges_at_the_server_cadence_not_the_simulators() -> None:
     """At 10 ms a decode step the 0.25 s gauge floor falls on every 32nd kvmetrics step
     (as under ``vllm serve`` on a GPU); at 2 ms on every 128th. The simulator's own steps

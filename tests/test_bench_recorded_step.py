@@ -9,6 +9,8 @@ from benchmarks import recorded_step_cost
 from kvmetrics.vllm import step_end
 from kvmetrics.vllm.scheduler import InstrumentedScheduler
 
+pytestmark = pytest.mark.vllm
+
 
 def test_the_periodic_reads_are_timed_and_everything_is_put_back() -> None:
     before = (InstrumentedScheduler._kv_end_step_timed, step_end.monotonic_ns)

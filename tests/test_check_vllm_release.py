@@ -19,6 +19,8 @@ import pytest
 
 from tests.helpers import vllm_overlay
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "check-vllm-release.sh"
 

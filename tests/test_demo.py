@@ -29,6 +29,8 @@ from benchmarks.vllm_server import RECOVERED, stop_process_group, vllm_cpu_pytho
 from kvmetrics.vllm.exporting import LOGGER, ExportSettings, build_exporter
 from tests.lab_support import REPO
 
+pytestmark = pytest.mark.serve
+
 
 def test_demo_model_needs_no_safetensors_and_loads_as_safetensors(tmp_path: Path) -> None:
     """Written by .venv's console script without the safetensors package (which .venv

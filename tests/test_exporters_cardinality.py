@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -13,6 +14,8 @@ from kvmetrics.lab.runner import load_items, run_lab
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
+
+pytestmark = pytest.mark.prometheus
 
 
 def _page(sink: PrometheusSink) -> str:

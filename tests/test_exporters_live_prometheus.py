@@ -20,6 +20,8 @@ from tests.helpers.metrics import Series, counters_from_query, pipeline_counters
 from tests.helpers.prometheus import PrometheusError, PrometheusServer, running_prometheus
 from tests.helpers.runs import exporter_phases
 
+pytestmark = pytest.mark.prometheus
+
 
 def _sum_by_labels(prom: PrometheusServer, at: float | None = None) -> Series:
     """Every catalogue counter as Prometheus sees it, summed over instance and job."""

@@ -17,12 +17,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.tls import make_tls_material
-from kvmetrics.exporters.prometheus import PrometheusSink, TLSOptions, parse_host_port, serve
+from kvmetrics.exporters.prometheus import PrometheusSink, parse_host_port, serve
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.metrics import counters_from_page, pipeline_counters
 from tests.helpers.runs import exporter_phases
+
+pytestmark = pytest.mark.prometheus
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -136,28 +137,6 @@ def test_listen_address_parsing(text: str, expected: tuple[str, int]) -> None:
 def test_bad_listen_addresses_are_refused(text: str) -> None:
     with pytest.raises(ValueError, match="HOST:PORT|out of range"):
         parse_host_port(text)
-
-
-def test_tls_server_requires_a_client_certificate(tmp_path: Path) -> None:
-    tls = make_tls_material(tmp_path / "tls")
-    sink = PrometheusSink(CollectorRegistry())
-    MetricsPipeline([sink])
-    server = serve(sink.registry, port=0, tls=TLSOptions(
-        certfile=str(tls.server_cert), keyfile=str(tls.server_key),
-        client_cafile=str(tls.ca_cert), client_auth_required=True))
-    url = f"https://127.0.0.1:{server.port}/metrics"
-    try:
-        with urllib.request.urlopen(url, context=tls.client_context(), timeout=10) as response:
-            assert response.status == 200
-            assert b"kvmetrics_build_info" in response.read()
-        with pytest.raises(OSError):  # refused in the handshake: no page, no status
-            urllib.request.urlopen(url, context=tls.client_context(with_cert=False),
-                                   timeout=10).read()
-        with pytest.raises(OSError):  # plain HTTP gets nothing either
-            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics",
-                                   timeout=10).read()
-    finally:
-        server.stop()
 
 
 # -- multiprocess mode ---------------------------------------------------------------

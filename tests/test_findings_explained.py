@@ -140,6 +140,7 @@ def test_a_recomputed_block_is_no_longer_tainted() -> None:
     assert bad not in engine.runner.provenance.blocks
 
 
+@pytest.mark.vllm
 def test_vllm_preempted_owner_is_attributed() -> None:
     from tests.test_vllm_verifier import preempted_owner_run
 

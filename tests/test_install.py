@@ -16,7 +16,10 @@ import tomllib
 import venv
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
+
+pytestmark = pytest.mark.index
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -7,12 +7,16 @@ import shlex
 from dataclasses import fields, replace
 from pathlib import Path
 
+import pytest
+
 from kvmetrics.cli.main import build_parser
 from kvmetrics.cli.run import config_from_args
 from kvmetrics.lab.config import LabConfig
 from kvmetrics.lab.replay import NOT_REPLAYED, RUN_OPTIONS, run_arguments, run_command
 from kvmetrics.lab.soak import scenario_config
 from tests.lab_support import run_cli
+
+pytestmark = pytest.mark.vllm
 
 
 def _parsed(args: list[str]) -> LabConfig:

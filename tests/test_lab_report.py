@@ -23,6 +23,8 @@ from kvmetrics.lab.timeline import TimelineSink
 from kvmetrics.metrics import catalogue as cat
 from tests.lab_support import run_cli
 
+pytestmark = pytest.mark.browser
+
 #: Seed 66's soak scenario as `kvmetrics run` options: policy recompute, mixed loads,
 #: preemption and aborts; vLLM's recovery path lets requests read stale KV.
 # Admission on the first chunk (vLLM's gate on the whole prompt off): more preemption,

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmetrics.lab.config import LabConfig
 from kvmetrics.lab.runner import run_lab
 from kvmetrics.metrics import catalogue as cat
 from tests.lab_support import run_cli
+
+pytestmark = pytest.mark.vllm
 
 #: Preemption pressure plus frequent sync load failures: the old accounting breaks.
 HISTORICAL = ("--accounting", "historical", "--num-gpu-blocks", "150", "--fault-rate", "0.2",

@@ -14,6 +14,8 @@ from kvmetrics.lab import soak as soak_module
 from kvmetrics.lab.soak import Shard, SoakReport, SoakReportError, merge_reports, soak
 from tests.lab_support import run_cli
 
+pytestmark = pytest.mark.vllm
+
 
 def _without_wall(data: dict) -> dict:
     return {k: v for k, v in data.items() if k not in ("wall_seconds", "digest")}

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.lab_support import run_cli
+
+pytestmark = pytest.mark.vllm
 
 
 def test_vllm_run_is_verified_and_clean() -> None:

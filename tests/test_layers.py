@@ -11,9 +11,12 @@ engine never imports torch, vLLM or an exporter: it is the pure core the lab bui
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvmetrics"
 
@@ -116,6 +119,7 @@ def test_importing_the_engine_loads_no_heavy_dependency() -> None:
     assert out == "[]"
 
 
+@pytest.mark.vllm
 def test_lab_engines_come_from_the_entry_point_group() -> None:
     """The vLLM lab engine is declared in pyproject.toml and found through the installed
     metadata; a reference run loads nothing of vLLM's side (the harness, the observer,
@@ -159,6 +163,7 @@ def test_what_ships_into_vllm_serve_imports_only_the_core() -> None:
     assert problems == []
 
 
+@pytest.mark.vllm
 def test_every_kvmetrics_logger_escapes_what_it_logs() -> None:
     """Each logger kvmetrics writes to carries the one-line filter (metrics/logs.py), so
     no logged value can forge or rewrite a line: checked on the loggers that exist
@@ -291,3 +296,45 @@ def test_benchmarks_never_import_the_tests() -> None:
                 for path in sorted((PACKAGE.parent / "benchmarks").rglob("*.py"))
                 for name in _imports(path) if name.split(".")[0] == "tests"]
     assert problems == []
+
+
+#: What a test module's source shows it needs -> the marker it must declare
+#: (pyproject.toml lists the markers). A floor: a module that reaches vLLM only through
+#: kvmetrics' own lazy imports (the lab's ``vllm`` engine) declares it by hand.
+NEEDS: dict[str, re.Pattern[str]] = {
+    "serve": re.compile(r"VllmServer|ServerSpec|vllm_server"),
+    "vllm": re.compile(r"^\s*(import vllm\b|from vllm[ .])|kvmetrics\.lab\.vllm|helpers(\.| "
+                       r"import )(vllm_overlay|series_overlay|defect_server|"
+                       r"scheduler_without_hook|native_metrics_worker)", re.M),
+    "prometheus": re.compile(r"promtool|helpers\.prometheus|helpers import prometheus|"
+                             r"alertmanager"),
+    "browser": re.compile(r"chromium"),
+}
+
+
+def _declared_marks(path: Path) -> set[str]:
+    """The markers of a module's ``pytestmark``."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            return {n.attr for n in ast.walk(node.value) if isinstance(n, ast.Attribute)
+                    and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+    return set()
+
+
+def test_every_test_module_declares_what_it_needs() -> None:
+    """``pytest -m "not serve"`` and the like select by these, so a missing one would
+    put a test that starts a ``vllm serve`` into the quick loop."""
+    tests = PACKAGE.parent / "tests"
+    missing = {}
+    for path in sorted(tests.glob("test_*.py")):
+        if path.name == Path(__file__).name:
+            continue  # its patterns name everything
+        text = path.read_text()
+        needed = {mark for mark, pattern in NEEDS.items() if pattern.search(text)}
+        if path.name.startswith("test_vllm_"):
+            needed.add("vllm")
+        if needed - _declared_marks(path):
+            missing[path.name] = sorted(needed - _declared_marks(path))
+    assert missing == {}
+    assert _declared_marks(tests / "test_serve_counters.py") == {"serve"}  # the reader works

@@ -36,6 +36,8 @@ from kvmetrics.metrics import catalogue
 from tests.helpers.prometheus import PrometheusServer, poll, running_prometheus
 from tests.lab_support import REPO, console_script
 
+pytestmark = pytest.mark.prometheus
+
 RULES = REPO / "deploy" / "prometheus" / "rules.yml"
 NUM_GPU_BLOCKS = 512
 COMMON = ("--realtime", "--verify", "sampled", "--linger", "6", "--wait-for-scrape", "60",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
@@ -14,6 +15,8 @@ from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.events import CounterIncrement, StepEvents
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.prometheus import poll, running_prometheus
+
+pytestmark = pytest.mark.prometheus
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "prometheus"
 

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvmetrics.metrics import catalogue as cat
 
+pytestmark = pytest.mark.prometheus
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -18,6 +18,8 @@ import pytest
 from kvmetrics.lab.vllm.mutations import generator
 from kvmetrics.lab.vllm.mutations.worker import PLANT_ENV
 
+pytestmark = pytest.mark.vllm
+
 FAST_BUDGET = 24
 FAST_SEED = 0
 #: A finish that skips kvmetrics' ``_free_request`` override: the finished counter misses

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+pytestmark = pytest.mark.index
+
 ROOT = Path(__file__).resolve().parents[1]
 #: The test modules that reach those two: the per-metric ``_created`` filter, the
 #: reserved value files, the value-class switch, the merge checked against the library's.

@@ -33,6 +33,8 @@ import pytest
 from benchmarks.vllm_server import vllm_cpu_python
 from tests.lab_support import REPO
 
+pytestmark = [pytest.mark.index, pytest.mark.serve, pytest.mark.vllm]
+
 README = REPO / "README.md"
 
 

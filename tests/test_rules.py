@@ -23,6 +23,8 @@ from dashboards.queries import TARGET_SERIES
 from kvmetrics.metrics import catalogue as cat
 from tests.test_deploy import _generate_module
 
+pytestmark = pytest.mark.prometheus
+
 _GENERATE = _generate_module()
 RUNBOOK_PATH = _GENERATE.RUNBOOK_PATH
 generate = _GENERATE.main

@@ -35,6 +35,8 @@ from benchmarks.vllm_server import (
     wait_until,
 )
 
+pytestmark = pytest.mark.serve
+
 #: kvmetrics series -> vLLM series (labels as dicts), compared for equality.
 PAIRS = [
     (("kvmetrics_prefix_cache_query_tokens_total", {"source": "local", "admission": "first"}),

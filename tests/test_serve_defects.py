@@ -45,6 +45,8 @@ from tests.helpers.defect_server import disconnect, scripted_faults_config, send
 from tests.helpers.series_overlay import series_overlay
 from tests.helpers.slow_connector import SLOW_MARK
 
+pytestmark = [pytest.mark.serve, pytest.mark.vllm]
+
 MAX_TOKENS = 8
 SHARED = greedy_prompts(1, seed=21, lengths=(100,))[0]
 ABORTED = [SLOW_MARK] + greedy_prompts(1, seed=22, lengths=(99,))[0]

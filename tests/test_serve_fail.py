@@ -33,6 +33,8 @@ from benchmarks.vllm_server import (
     total,
 )
 
+pytestmark = pytest.mark.serve
+
 PROMPTS = CONNECTOR_PROMPTS
 
 FAILING = re.compile(r"Failing (\d+) request\(s\) due to KV load failure")

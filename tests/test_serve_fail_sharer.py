@@ -54,6 +54,8 @@ from tests.helpers.load_only_connector import LOAD_ONLY_MARK
 from tests.helpers.series_overlay import series_overlay
 from tests.helpers.slow_connector import SLOW_MARK
 
+pytestmark = [pytest.mark.serve, pytest.mark.vllm]
+
 MAX_TOKENS = 8
 OWNER = greedy_prompts(1, seed=23, lengths=(100,))[0]
 SHARER = OWNER[:2 * BLOCK_SIZE] + [LOAD_ONLY_MARK] + greedy_prompts(1, seed=24, lengths=(35,))[0]

@@ -49,6 +49,8 @@ from benchmarks.vllm_server import (
 )
 from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
 
+pytestmark = pytest.mark.serve
+
 PROMPTS = CONNECTOR_PROMPTS
 MAX_TOKENS = 8
 FAULTS = {"fault_rate": 0.4, "fault_seed": 2}

@@ -57,6 +57,8 @@ from tests.helpers.nixl_pd import (
     started,
 )
 
+pytestmark = pytest.mark.serve
+
 PROMPTS = greedy_prompts(6, seed=8, lengths=(100, 70, 130))
 WARM_UP = greedy_prompts(1, seed=9, lengths=(90,))[0]
 MAX_TOKENS = 6

@@ -53,6 +53,8 @@ from benchmarks.vllm_server import (
 )
 from tests.helpers.prometheus import running_prometheus, scrape_config
 
+pytestmark = [pytest.mark.prometheus, pytest.mark.serve]
+
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
 PROMPTS = CONNECTOR_PROMPTS

@@ -46,6 +46,8 @@ from benchmarks.vllm_server import (
 from tests.helpers.defect_server import scripted_faults_config
 from tests.helpers.series_overlay import series_overlay
 
+pytestmark = [pytest.mark.serve, pytest.mark.vllm]
+
 A = greedy_prompts(1, seed=7, lengths=(100,))[0]
 MAX_TOKENS = 8
 RECOVERED = re.compile(r"Recovered from KV load failure: 1 request\(s\) rescheduled "

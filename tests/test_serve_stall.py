@@ -36,6 +36,8 @@ from benchmarks.vllm_server import (
 )
 from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
 
+pytestmark = pytest.mark.serve
+
 MAX_TOKENS = 8
 LONG = greedy_prompts(1, seed=31, lengths=(300,))[0]
 INJECTED = re.compile(r"failing load #(\d+) of request (\S+) \((sync|async|emulated)\)")

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from benchmarks.vllm_server import ServerSpec, VllmServer, connector_config
+
+pytestmark = pytest.mark.serve
 
 
 def test_a_bad_fault_rate_stops_the_server_naming_the_key(tmp_path: Path) -> None:

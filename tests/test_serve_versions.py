@@ -36,6 +36,8 @@ from benchmarks.vllm_server import (
     total,
 )
 
+pytestmark = [pytest.mark.serve, pytest.mark.vllm]
+
 VERSIONS = ("0.30.0", "0.28.0")
 MAX_TOKENS = 6
 PROMPTS = CONNECTOR_PROMPTS[:6]

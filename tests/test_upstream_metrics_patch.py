@@ -25,6 +25,8 @@ import pytest
 from kvmetrics.lab.vllm.series import PATCHES
 from tests.helpers.vllm_overlay import overlay_files
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parent.parent
 LIGHT = ROOT / ".vllm-versions" / "0.34.0-light"
 PATCH = PATCHES / "0005-kv-load-failure-metrics.patch"

@@ -27,6 +27,8 @@ from kvmetrics.lab.vllm.canary_bench import PROTECTED
 from kvmetrics.lab.vllm.patched import installed_series, patched_target
 from kvmetrics.lab.vllm.series import FIXES, PATCHES, series
 
+pytestmark = pytest.mark.vllm
+
 REPO = Path(__file__).resolve().parent.parent
 IDS = [d.id for d in DEFECTS]
 

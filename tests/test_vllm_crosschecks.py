@@ -25,6 +25,8 @@ from kvmetrics.vllm.event_hooks import EventHooks
 from tests.test_vllm_hooks import run_failing_load, totals
 from tests.test_vllm_recorder_flags import CONFIG as FLAGS_CONFIG
 
+pytestmark = pytest.mark.vllm
+
 CHECKS = cat.SELF_CHECK_FAILURES.name
 
 

@@ -35,6 +35,8 @@ from kvmetrics.lab.vllm.differential import (
 from kvmetrics.metrics import catalogue as cat
 from tests.helpers.metrics import event_totals
 
+pytestmark = pytest.mark.vllm
+
 PAIRINGS: dict[str, Callable[[SchedulerConfig], SchedulerConfig]] = {
     "faithful": vllm_faithful, "fix": kvmetrics_fix}
 

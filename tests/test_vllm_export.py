@@ -33,6 +33,8 @@ from kvmetrics.vllm.exporting import (
     settings_for,
 )
 
+pytestmark = [pytest.mark.prometheus, pytest.mark.vllm]
+
 PROMPT = list(range(1000, 1064))
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,
                          max_num_batched_tokens=256, max_model_len=512)

@@ -41,6 +41,8 @@ from kvmetrics.lab.vllm.compat import cpu_config_context
 from tests.helpers import synthetic_connectors
 from tests.helpers.synthetic_connectors import SupportsTeleport, TeleportConnector
 
+pytestmark = pytest.mark.vllm
+
 MODULE = "kvmetrics.faults.connector"
 SYNTHETIC = synthetic_connectors.__name__
 

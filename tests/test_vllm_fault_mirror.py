@@ -28,6 +28,8 @@ from kvmetrics.faults import connector as faults
 from kvmetrics.faults import fault_interface, fault_mirror
 from kvmetrics.faults.connector import FaultConfigError, FaultInjectingConnector
 
+pytestmark = pytest.mark.vllm
+
 MODULE = "kvmetrics.faults.connector"
 
 

@@ -16,6 +16,8 @@ from kvmetrics.faults.fault_plan import (
     poison_blocks,
 )
 
+pytestmark = pytest.mark.vllm
+
 BASE = {"inner_connector": "ExampleConnector"}
 
 

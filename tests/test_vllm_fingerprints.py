@@ -27,6 +27,8 @@ from kvmetrics.metrics import cross_checks
 from kvmetrics.vllm import fingerprints, hooks, source_hashes
 from tests.helpers import vllm_overlay
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parent.parent
 MODULE = "vllm.v1.core.block_pool"
 FUNCTION = "BlockPool.get_num_free_blocks"

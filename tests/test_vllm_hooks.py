@@ -26,6 +26,8 @@ from kvmetrics.metrics.pipeline import MetricsPipeline
 from kvmetrics.vllm import hooks
 from kvmetrics.vllm.exporting import LOGGER
 
+pytestmark = pytest.mark.vllm
+
 PROMPT = list(range(1000, 1064))
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,
                          max_num_batched_tokens=256, max_model_len=512)

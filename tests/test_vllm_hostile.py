@@ -41,6 +41,8 @@ from kvmetrics.metrics import catalogue as cat
 from kvmetrics.vllm import hooks, recorder, state
 from tests.test_vllm_hooks import kvmetrics_log
 
+pytestmark = pytest.mark.vllm
+
 OURS = os.path.dirname(os.path.abspath(state.__file__)) + os.sep
 #: The guard machinery itself: it must work for a fault to be counted at all.
 MACHINERY = tuple(OURS + name for name in ("recorder.py", "state.py", "observe.py"))

@@ -20,6 +20,8 @@ from kvmetrics.lab.engine.scheduler import SchedulerConfig
 from kvmetrics.lab.vllm import builder
 from kvmetrics.vllm import scheduler
 
+pytestmark = pytest.mark.vllm
+
 #: old module -> the module that now holds its classes
 ALIASES = {"kvmetrics.integrations.vllm.scheduler": "kvmetrics.vllm.scheduler",
            "kvmetrics.integrations.vllm.faults": "kvmetrics.faults.connector"}

@@ -18,6 +18,8 @@ import pytest
 from kvmetrics.protect.recovery import PROTECTED, ProtectMixin
 from kvmetrics.vllm.hooks import vllm_base
 
+pytestmark = pytest.mark.vllm
+
 METHODS = [hook.method for hook in PROTECTED]
 
 

@@ -32,6 +32,8 @@ from kvmetrics.vllm import step_end
 from kvmetrics.vllm.recorder import StepRecorder
 from tests.helpers.metrics import event_totals
 
+pytestmark = pytest.mark.vllm
+
 CONFIG = vllm_faithful(SchedulerConfig(block_size=16, num_gpu_blocks=30, max_num_seqs=8,
                                        max_num_batched_tokens=128, max_model_len=1024,
                                        kv_load_failure_policy="recompute"))

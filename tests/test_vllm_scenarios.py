@@ -25,6 +25,8 @@ from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
 from tests.helpers.metrics import event_totals
 
+pytestmark = pytest.mark.vllm
+
 BS = 16
 PROMPT = list(range(1000, 1064))  # 64 tokens, 4 blocks
 

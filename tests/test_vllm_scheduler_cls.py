@@ -32,6 +32,8 @@ from kvmetrics.vllm.scheduler import (
     InstrumentedScheduler,
 )
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTED = "kvmetrics.vllm.scheduler.InstrumentedScheduler"
 

@@ -24,6 +24,8 @@ from kvmetrics.lab.vllm import builder, canary_bench
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.vllm import selfcheck
 
+pytestmark = pytest.mark.vllm
+
 #: Whether this vLLM has the inflight-load cap (0.34 on).
 HAS_CAP = "max_num_inflight_kv_loads" in {f.name for f in dataclasses.fields(SchedulerConfig)}
 INSTRUMENTED = canary_bench.Target(builder.INSTRUMENTED, builder.INSTRUMENTED_ASYNC,

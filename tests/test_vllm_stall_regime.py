@@ -21,6 +21,8 @@ from kvmetrics.lab.vllm import canaries
 from kvmetrics.lab.vllm.canary_bench import PROTECTED
 from kvmetrics.lab.vllm.stall_regime import retry
 
+pytestmark = pytest.mark.vllm
+
 
 def admitted_by_hand(usable: int, prompt_tokens: int, offered_tokens: int) -> bool:
     need = -(-prompt_tokens // 16)

@@ -32,6 +32,8 @@ from kvmetrics.lab.vllm.engine import VllmEngine
 from kvmetrics.vllm.base_choice import VLLM_WARNING
 from kvmetrics.vllm.exporting import LOGGER, ExportSettings, build_exporter
 
+pytestmark = pytest.mark.vllm
+
 PROMPT = list(range(1000, 1064))
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=64, max_num_seqs=8,
                          max_num_batched_tokens=256, max_model_len=512)

@@ -20,6 +20,8 @@ from kvmetrics.metrics import catalogue as cat
 from kvmetrics.vllm import owncost, step_end
 from kvmetrics.vllm import scheduler as instrumented
 
+pytestmark = pytest.mark.vllm
+
 CONFIG = SchedulerConfig(block_size=16, num_gpu_blocks=128, max_num_seqs=8,
                          max_num_batched_tokens=512, max_model_len=512)
 REQUESTS, OUTPUT = 4, 120

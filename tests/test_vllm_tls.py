@@ -14,6 +14,8 @@ from benchmarks.tls import TLSMaterial, make_tls_material
 from kvmetrics.vllm.exporting import settings_for
 from tests.test_vllm_export import _vllm_config, failing_engine
 
+pytestmark = [pytest.mark.prometheus, pytest.mark.vllm]
+
 
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> TLSMaterial:

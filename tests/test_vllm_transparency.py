@@ -19,6 +19,8 @@ from kvmetrics.lab.engine.scheduler import SchedulerConfig
 from kvmetrics.lab.vllm.differential import random_workload, run_vllm, vllm_faithful
 from kvmetrics.metrics import catalogue as cat
 
+pytestmark = pytest.mark.vllm
+
 
 def decisions(run) -> list[tuple]:
     steps = []

@@ -23,6 +23,8 @@ from kvmetrics.lab.vllm.engine import VllmEngine
 from kvmetrics.metrics import catalogue as cat
 from kvmetrics.metrics.pipeline import MetricsPipeline
 
+pytestmark = pytest.mark.vllm
+
 PROMPT = list(range(1000, 1064))  # 4 blocks of 16
 OTHER = list(range(2000, 2032))  # 2 blocks; its 33rd token needs a third
 
