@@ -215,10 +215,14 @@ def test_an_engine_killed_with_its_exporter_leaves_files_the_next_start_removes(
 
 def test_only_unmistakable_directories_of_dead_engines_are_removed(tmp_path: Path) -> None:
     """Run as root in a shared temporary folder: everything that is not exactly what an
-    engine leaves (a link, a foreign file, another owner, a live engine, a FIFO) stays."""
+    engine leaves (a link, a foreign file, another owner, a live engine, a FIFO, a pid of
+    another pid namespace) stays."""
+    from kvmetrics.exporters.private_dirs import pid_namespace, remove_left_behind
+
     gone = subprocess.Popen(["true"])
     gone.wait()
-    dead, live = gone.pid, os.getpid()
+    ns = pid_namespace()
+    dead, live = f"{gone.pid}-{ns}", f"{os.getpid()}-{ns}"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)
     (elsewhere / "counter_1.db").write_bytes(b"keep")
@@ -243,13 +247,14 @@ def test_only_unmistakable_directories_of_dead_engines_are_removed(tmp_path: Pat
         tmp_path / f"kvmetrics-{dead}-abcd_128",
         tmp_path / f"kvmetrics-{dead}-abcd_129",
         made(f"kvmetrics-{dead}-abcd_130", value_files),
-        made("kvmetrics-9999999999-abcd_123", value_files),
+        made(f"kvmetrics-9999999999-{ns}-abcd_123", value_files),
+        made(f"kvmetrics-{gone.pid}-{ns + 1}-abcd_123", value_files),  # another namespace
+        made(f"kvmetrics-{gone.pid}-abcd_123", value_files),  # no namespace
     ]
     (kept[4] / "counter_8.db").symlink_to(elsewhere / "counter_1.db")
     kept[5].symlink_to(elsewhere, target_is_directory=True)
     os.mkfifo(kept[6])
     os.chown(kept[7], 65534, 65534)  # nobody's
-    from kvmetrics.exporters.private_dirs import remove_left_behind
 
     assert remove_left_behind(str(tmp_path)) == 2
     assert not stale.exists() and not empty.exists()

@@ -15,8 +15,10 @@ import tempfile
 
 __all__ = ["private_multiprocess_dir", "remove_left_behind"]
 
-#: A private directory's name: the engine's pid, then mkdtemp's random part.
-_PRIVATE_NAME = re.compile(r"kvmetrics-([0-9]{1,10})-[a-z0-9_]{8}")
+#: A private directory's name: the engine's pid, its pid namespace (a pid means
+#: something only in its own: containers that share a temporary folder do not share
+#: pids), then mkdtemp's random part.
+_PRIVATE_NAME = re.compile(r"kvmetrics-([0-9]{1,10})-([0-9]{1,20})-[a-z0-9_]{8}")
 #: What prometheus-client and the exporter write there (``counter_1234.db``).
 _VALUE_FILE = re.compile(r"[a-z_]{1,40}_[0-9]{1,10}\.db")
 #: Entries of the temporary folder looked at, at most, for directories left behind.
@@ -26,7 +28,15 @@ _SWEEP_MAX_ENTRIES = 100_000
 def private_multiprocess_dir() -> str:
     """A new directory only this user can enter (mode 0700), made by ``mkdir`` of a
     random name: nothing planted at a predictable name can be followed."""
-    return tempfile.mkdtemp(prefix=f"kvmetrics-{os.getpid()}-")
+    return tempfile.mkdtemp(prefix=f"kvmetrics-{os.getpid()}-{pid_namespace()}-")
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (its inode number), 0 where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def remove_left_behind(parent: str | None = None) -> int:
@@ -36,9 +46,10 @@ def remove_left_behind(parent: str | None = None) -> int:
     shutdown does, after a SIGTERM it does not wait for), so neither side can remove the
     directory then: the next engine to start does. A directory goes only when it is
     unmistakably one of these: its name, a real directory (not a link) of this user with
-    mode 0700, its engine's pid gone, and nothing in it but value files. Anything else
-    is left as it is."""
+    mode 0700, made in this pid namespace by an engine whose pid is gone, and nothing in
+    it but value files. Anything else is left as it is."""
     parent = parent or tempfile.gettempdir()
+    namespace = str(pid_namespace())
     removed = 0
     try:
         with os.scandir(parent) as entries:
@@ -46,7 +57,8 @@ def remove_left_behind(parent: str | None = None) -> int:
                 if count >= _SWEEP_MAX_ENTRIES:
                     break
                 match = _PRIVATE_NAME.fullmatch(entry.name)
-                if match and _engine_gone(int(match.group(1))) and _remove_if_ours(entry.path):
+                if (match and namespace != "0" and match.group(2) == namespace
+                        and _engine_gone(int(match.group(1))) and _remove_if_ours(entry.path)):
                     removed += 1
     except OSError:  # an unreadable temporary folder: nothing to sweep here
         pass
