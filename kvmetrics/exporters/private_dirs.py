@@ -13,7 +13,7 @@ import re
 import stat
 import tempfile
 
-__all__ = ["private_multiprocess_dir", "remove_left_behind"]
+__all__ = ["pid_namespace", "private_multiprocess_dir", "remove_left_behind"]
 
 #: A private directory's name: the engine's pid, its pid namespace (a pid means
 #: something only in its own: containers that share a temporary folder do not share
