@@ -59,12 +59,13 @@ from kvmetrics.metrics.logs import get_logger
 log = get_logger("kvmetrics.multiprocess")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` may be a live process: False only when it is known gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except OSError:  # EPERM: someone else's live process; anything else: not known dead
+    except (OSError, OverflowError):  # EPERM: someone else's live process; else not known
         return True
     return True
 
@@ -86,7 +87,7 @@ def reap_dead_processes(directory: str, names: list[str] | None = None) -> list[
     for n in names:
         name = parse_name(n)
         if name is not None and name.mode is not None and name.mode.startswith("live") \
-                and name.pid != os.getpid() and not _alive(name.pid):
+                and name.pid != os.getpid() and not process_alive(name.pid):
             dead.add(name.pid)
     for pid in sorted(dead):
         with contextlib.suppress(OSError):  # another process reaped it first
@@ -229,7 +230,7 @@ class TolerantMultiProcessCollector(Collector):
             name = parse_name(n)
             if name is None:
                 bad.append((n, "not a prometheus-client file name with a valid pid", False))
-            elif name.pid != me and not alive.setdefault(name.pid, _alive(name.pid)):
+            elif name.pid != me and not alive.setdefault(name.pid, process_alive(name.pid)):
                 dead[n] = name
             elif name.pid != me:
                 live.append((n, name))

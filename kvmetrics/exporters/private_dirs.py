@@ -13,6 +13,8 @@ import re
 import stat
 import tempfile
 
+from kvmetrics.exporters.multiprocess import process_alive
+
 __all__ = ["pid_namespace", "private_multiprocess_dir", "remove_left_behind"]
 
 #: A private directory's name: the engine's pid, its pid namespace (a pid means
@@ -58,21 +60,11 @@ def remove_left_behind(parent: str | None = None) -> int:
                     break
                 match = _PRIVATE_NAME.fullmatch(entry.name)
                 if (match and namespace != "0" and match.group(2) == namespace
-                        and _engine_gone(int(match.group(1))) and _remove_if_ours(entry.path)):
+                        and not process_alive(int(match.group(1))) and _remove_if_ours(entry.path)):
                     removed += 1
     except OSError:  # an unreadable temporary folder: nothing to sweep here
         pass
     return removed
-
-
-def _engine_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, OverflowError):  # alive under another user, or not a pid at all
-        return False
-    return False
 
 
 def _remove_if_ours(path: str) -> bool:
