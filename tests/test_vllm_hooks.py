@@ -398,9 +398,9 @@ def test_the_cpu_estimate_charges_the_quiet_step_sampled_in_place(
 
 def test_a_quiet_step_sample_loses_its_clock_reads_and_interruptions(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hand-worked: each sampled interval holds about one clock read, measured right
-    after the sample (the lesser of two gaps) and taken off; a sample long enough to
-    have been interrupted is left out, not averaged in."""
+    """Hand-worked: each of a sample's two intervals holds about one clock read,
+    measured right after the sample (the lesser of two gaps) and taken off; a sample
+    long enough to have been interrupted is left out, not averaged in."""
     from kvmetrics.vllm import owncost
 
     reads = iter([1000, 1040, 1090,  # one read costs 40 ns here (the lesser gap)
@@ -408,9 +408,9 @@ def test_a_quiet_step_sample_loses_its_clock_reads_and_interruptions(
                   9000, 9040, 9080])
     monkeypatch.setattr(owncost, "perf_counter_ns", lambda: next(reads))
     samples = owncost.QuietSamples()
-    samples.add(0, 1_040, 1)  # schedule's part: 1,040 ns less one read
-    samples.add(1, 2_580, 2)  # update's two intervals: 2,580 ns less two reads
-    samples.add(1, owncost.SAMPLE_MAX_NS + 500, 2)  # descheduled inside: dropped
+    samples.add(0, 1_080)  # schedule's part: 1,080 ns less two reads
+    samples.add(1, 2_580)  # update's: 2,580 ns less two reads
+    samples.add(1, owncost.SAMPLE_MAX_NS + 500)  # descheduled inside: dropped
     assert (samples.sums, samples.counts, samples.dropped) == ([1_000, 2_500], [1, 1], 1)
     assert samples.step_ns() == 3_500
 
@@ -439,10 +439,10 @@ def test_a_preemption_inside_the_clock_cost_measurement_never_makes_a_sample_neg
     clock = _PreemptedClock(step=40, preempt_at=2, gap=5_000_000)
     monkeypatch.setattr(owncost, "perf_counter_ns", clock)
     samples = owncost.QuietSamples()
-    samples.add(0, 1_040, 1)  # preempted while its clock read was being measured
+    samples.add(0, 1_080)  # preempted while its clock read was being measured
     for _ in range(99):
-        samples.add(0, 1_040, 1)  # undisturbed: 1,040 ns less one 40 ns read
-    samples.add(1, 2_580, 2)
+        samples.add(0, 1_080)  # undisturbed: 1,080 ns less two 40 ns reads
+    samples.add(1, 2_580)
     assert clock.reads > 2  # the preemption did fall inside the first measurement
     assert min(samples.sums) >= 0
     # Kept, its read measured again; or dropped and counted: never charged negative.
@@ -460,7 +460,7 @@ def test_a_sample_whose_clock_cost_cannot_be_measured_is_dropped(
     reads = iter([10_000, 3_010_000, 6_010_000])  # each read 3 ms apart
     monkeypatch.setattr(owncost, "perf_counter_ns", lambda: next(reads))
     samples = owncost.QuietSamples()
-    samples.add(0, 1_040, 1)
+    samples.add(0, 1_040)
     assert (samples.sums, samples.counts, samples.dropped) == ([0, 0], [0, 0], 1)
     assert samples.step_ns() == 0
 

@@ -18,8 +18,8 @@ scheduler adds to vLLM's. It has three parts:
    phase that never meets the periodic work, which is timed) the same inline code is
    timed with the monotonic clock (``perf_counter_ns``, a vDSO read of tens of
    nanoseconds, not a system call): from just after the step count is read to the end of
-   the override, in intervals that leave out vLLM's own method and the hooks timed on
-   their own, each less one read measured right there (:class:`QuietSamples`): the
+   the override, in two intervals, one each side of vLLM's own method and the hooks
+   timed on their own, each less one read measured right there (:class:`QuietSamples`): the
    lesser gap of three back-to-back reads, so a thread descheduled between two of them
    does not inflate it; a sample that would still come out negative had every read
    disturbed and is left out, so no sample and no mean is ever negative. Each step is
@@ -64,6 +64,8 @@ SAMPLE_PHASE = 20
 #: A sampled quiet step's own part longer than this (wall clock; the part takes 1-3 us
 #: in place) had the thread descheduled inside it: left out.
 SAMPLE_MAX_NS = 30_000
+#: Each override's sample is two intervals, one on each side of vLLM's method.
+INTERVALS = 2
 
 
 @dataclass(frozen=True)
@@ -88,15 +90,16 @@ class QuietSamples:
         self.counts = [0, 0]
         self.dropped = 0
 
-    def add(self, part: int, ns: int, intervals: int) -> None:
-        """A sample of ``part`` that spanned ``intervals`` clock-bounded intervals: each
-        holds about one read of the clock, measured now (the lesser of two back-to-back
-        gaps: a preemption lands in one at most) and taken off. A sample that is left
-        negative or too long was disturbed: dropped and counted, never charged."""
+    def add(self, part: int, ns: int) -> None:
+        """A sample of ``part``: the sum of its :data:`INTERVALS` clock-bounded
+        intervals. Each holds about one read of the clock, measured now (the lesser of
+        two back-to-back gaps: a preemption lands in one at most) and taken off. A
+        sample that is left negative or too long was disturbed: dropped and counted,
+        never charged."""
         first = perf_counter_ns()
         second = perf_counter_ns()
         read = min(second - first, perf_counter_ns() - second)
-        ns -= intervals * read
+        ns -= INTERVALS * read
         if ns < 0 or ns > SAMPLE_MAX_NS:
             self.dropped += 1
             return

@@ -75,12 +75,6 @@ from kvmetrics.vllm.step_end import (  # noqa: F401 - the documented names
 
 log = logging.getLogger(LOGGER)
 
-# The overrides test the step count against literals (a constant is read from the code
-# object, a module global from the module's dict: one cold cache line fewer per step).
-if (owncost.SAMPLE_EVERY, owncost.SAMPLE_PHASE, GAUGE_EVERY) != (64, 20, 32):
-    raise ImportError("kvmetrics: the literals in InstrumentedMixin's overrides "
-                      "(63, 20, 32) no longer match owncost and step_end")
-
 
 def _after_schedule(kv: InstrumentState, sched: Any, out: Any) -> None:
     """Close a schedule() call: which new loads vLLM made async, what it scheduled again."""
@@ -159,6 +153,7 @@ class InstrumentedMixin(StepEnd, EventHooks, _SchedulerBase):
         kv.next_schedule = _next_function(self, "schedule")
         kv.next_update = _next_function(self, "update_from_output")
         kv.read_gap_ns = round(step_end.GAUGE_MIN_INTERVAL_S * 1e9)
+        kv.gauge_every = step_end.GAUGE_EVERY
         self._kv_setup_cost(kv)
         blocks = me.kv_cache_manager.block_pool.num_gpu_blocks
         kv.audit_every = kv.audit_next = max(step_end.POOL_AUDIT_EVERY,
@@ -244,15 +239,12 @@ class InstrumentedMixin(StepEnd, EventHooks, _SchedulerBase):
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         try:
             kv = self._kv
-            # One step in 64 the inline part is timed in place (owncost, part 2), from
-            # the first read of the state after the step count to the last, vLLM's
-            # method and the hooks timed on their own left out.
-            sampled = kv.step & 63 == 20  # owncost.SAMPLE_EVERY, SAMPLE_PHASE
-            if sampled:
-                t0 = perf_counter_ns()
+            # On a sampled step (owncost, part 2) the inline code is timed in place: one
+            # interval on each side of vLLM's method.
+            sampled = kv.step % kv.sample_every == kv.sample_phase
+            t0 = perf_counter_ns() if sampled else 0
             vllm_schedule = kv.next_schedule if not args and not kwargs else None
-            if sampled:
-                own = perf_counter_ns() - t0
+            own = perf_counter_ns() - t0 if sampled else 0
         except Exception:
             report_fault(self, SCHEDULE_HOOK)
             return super().schedule(*args, **kwargs)
@@ -260,11 +252,10 @@ class InstrumentedMixin(StepEnd, EventHooks, _SchedulerBase):
         out = (vllm_schedule(self) if vllm_schedule is not None
                else super().schedule(*args, **kwargs))
         try:
-            if sampled:
-                t0 = perf_counter_ns()
+            t0 = perf_counter_ns() if sampled else 0
             pending = kv.schedule_work  # else scheduled() finds nothing
             if sampled:
-                kv.samples.add(0, own + perf_counter_ns() - t0, 2)
+                kv.samples.add(0, own + perf_counter_ns() - t0)
         except Exception:
             report_fault(self, SCHEDULE_HOOK)
             return out
@@ -275,21 +266,12 @@ class InstrumentedMixin(StepEnd, EventHooks, _SchedulerBase):
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         try:
             kv = self._kv
-            sampled = kv.step & 63 == 20  # as in schedule()
-            if sampled:
-                t0 = perf_counter_ns()
+            sampled = kv.step % kv.sample_every == kv.sample_phase  # as in schedule()
+            t0 = perf_counter_ns() if sampled else 0
             off = kv.output_off
-            if not off:
-                pending = kv.output_work  # else loads_done() finds nothing
-                if sampled:
-                    own = perf_counter_ns() - t0
-                if pending:
-                    guarded(self, OUTPUT_HOOK, _loads_done, args, kwargs)  # timed on its own
-                if sampled:
-                    t0 = perf_counter_ns()
-                vllm_update = kv.next_update if len(args) == 2 and not kwargs else None
-                if sampled:
-                    own += perf_counter_ns() - t0
+            pending = kv.output_work  # else loads_done() finds nothing
+            vllm_update = kv.next_update if len(args) == 2 and not kwargs else None
+            own = perf_counter_ns() - t0 if sampled else 0
         except Exception:
             report_fault(self, OUTPUT_HOOK)
             result = super().update_from_output(*args, **kwargs)
@@ -297,6 +279,8 @@ class InstrumentedMixin(StepEnd, EventHooks, _SchedulerBase):
             return result
         if off:
             return super().update_from_output(*args, **kwargs)
+        if pending:  # before vLLM processes the output; timed on its own
+            guarded(self, OUTPUT_HOOK, _loads_done, args, kwargs)
         if vllm_update is not None:
             result = vllm_update(self, args[0], args[1])
         else:
@@ -307,18 +291,18 @@ class InstrumentedMixin(StepEnd, EventHooks, _SchedulerBase):
             except Exception:
                 native_stats.give_up(kv)
         try:
-            if sampled:
-                t0 = perf_counter_ns()
+            t0 = perf_counter_ns() if sampled else 0
             step = kv.step = kv.step + 1
             # Nothing to record: no event, no hook fault, and a pipeline to skip it for.
             eventless = not kv.must_record and kv.pipeline is not None
+            due = not eventless or not step % kv.gauge_every  # or the periodic read
             if sampled:
-                kv.samples.add(1, own + perf_counter_ns() - t0, 3)
+                kv.samples.add(1, own + perf_counter_ns() - t0)
         except Exception:
             report_fault(self, OUTPUT_HOOK)
             self._kv_publish_fault()
             return result
-        if not eventless or not step % 32:  # step_end.GAUGE_EVERY
+        if due:
             self._kv_end_step(step, eventless)
         return result
 

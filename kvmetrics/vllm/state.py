@@ -6,10 +6,10 @@ Everything kvmetrics keeps about a scheduler lives in one :class:`InstrumentStat
 fault policy keep. Each field is set once, in ``__init__``, with its meaning. The hooks
 reach the recorder's methods through this object (``kv.lookup(...)``), never by name.
 
-A quiet step reads a handful of these slots (``step``, ``next_schedule``,
-``next_update``, ``output_off``, ``pipeline`` and the recorder's three flags) through
-one lookup of ``_kv`` on the scheduler: slots of one object, not entries of vLLM's
-scheduler's large instance dict.
+A quiet step reads a handful of these slots (``step`` and the periods beside it,
+``next_schedule``, ``next_update``, ``output_off``, ``pipeline`` and the recorder's
+three flags) through one lookup of ``_kv`` on the scheduler: slots of one object, not
+entries of vLLM's scheduler's large instance dict.
 
 The fault policy is here too (:meth:`InstrumentState.fault`, :meth:`disable`): a hook
 found unusable at construction and a hook that raises at run time take the same path.
@@ -46,17 +46,26 @@ class InstrumentState(StepRecorder):
     """The recorder plus the scheduler's own kvmetrics state (see the module)."""
 
     # The words the quiet step reads first, together.
-    __slots__ = ("step", "next_schedule", "next_update", "output_off", "pipeline",
-                 "cpu_ns", "clock_ns", "counted_cpu_ns", "off", "disabled", "newly_absent",
-                 "errors", "logged", "holding_attr", "ready", "self_checks", "read_gap_ns",
-                 "read_next_ns", "cpu_report_next_ns", "cpu_alone_ns", "audit_every",
-                 "audit_next", "charged_step", "charged_evict_calls", "samples", "cal",
-                 "recovery_tally", "native_load", "native_sum", "native_unread")
+    __slots__ = ("step", "sample_every", "sample_phase", "gauge_every", "next_schedule",
+                 "next_update", "output_off", "pipeline", "cpu_ns", "clock_ns",
+                 "counted_cpu_ns", "off", "disabled", "newly_absent", "errors", "logged",
+                 "holding_attr", "ready", "self_checks", "read_gap_ns", "read_next_ns",
+                 "cpu_report_next_ns", "cpu_alone_ns", "audit_every", "audit_next",
+                 "charged_step", "charged_evict_calls", "samples", "cal", "recovery_tally",
+                 "native_load", "native_sum", "native_unread")
 
     def __init__(self, block_size: int, policy: str, has_connector: bool) -> None:
         super().__init__(block_size, policy, has_connector)
         #: Steps whose output was processed (``update_from_output`` calls).
         self.step = 0
+        #: A step whose count is ``sample_phase`` modulo ``sample_every`` has its inline
+        #: code timed in place (owncost); one whose new count is a multiple of
+        #: ``gauge_every`` (step_end.GAUGE_EVERY, set by the scheduler) reads the gauges
+        #: if they are due. Slots beside ``step``, not module globals: the quiet step
+        #: touches no module's dict.
+        self.sample_every = owncost.SAMPLE_EVERY
+        self.sample_phase = owncost.SAMPLE_PHASE
+        self.gauge_every = 1
         #: vLLM's ``schedule`` / ``update_from_output`` functions the overrides call
         #: directly (resolved once at construction); None: through ``super()``.
         self.next_schedule: Any = None
