@@ -8,8 +8,8 @@ name still exists in kvmetrics/, so the list cannot outlive its code.
 # ruff: noqa: B018, F821
 
 # vLLM's connector factory and config reader call these by name.
-_.kv_connector_module_path  # faults.connector._InnerOnly: what vLLM's factory reads of a config
-_.get_from_extra_config  # faults.connector._InnerOnly: what vLLM's factory asks a config
+_.kv_connector_module_path  # faults.inner_connector.InnerOnly: what vLLM's factory reads
+_.get_from_extra_config  # faults.inner_connector.InnerOnly: what vLLM's factory asks a config
 _.requires_kv_delivery  # KVConnectorBase_V1 interface (lab.vllm store and canary connectors)
 _.save_kv_layer  # KVConnectorBase_V1 interface
 _.wait_for_save  # KVConnectorBase_V1 interface

@@ -11,7 +11,8 @@ commands.
 - :mod:`.connector`: ``FaultInjectingConnector`` and the ``FaultInjecting<connector>``
   classes vLLM's factory looks up there; :mod:`.fault_mirror` builds those,
   :mod:`.fault_interface` forwards vLLM's connector interface,
-  :mod:`.fault_plan` holds the settings, which loads fail and the KV poison.
+  :mod:`.fault_plan` holds the settings, which loads fail and the KV poison,
+  :mod:`.inner_connector` finds and configures the connector it wraps.
 
 The names in ``__all__`` are imported on first use, so that importing this package never
 imports vLLM or torch.

@@ -45,33 +45,20 @@ Every setting is checked when vLLM builds the connector (scheduler and workers);
 a bad one raises :class:`FaultConfigError`, a one-line message naming the key,
 and the server stops at start-up.
 
-**Invisible but for its faults.** vLLM decides things from the connector *class*,
-before any connector exists and in processes that never build one: whether the
-hybrid KV cache manager stays on (``SupportsHMA``; NIXL puts that flag in the
-compatibility hash its peers compare), which stats class rebuilds the workers'
-transfer stats in the API server (the periodic "KV Transfer metrics" lines), which
-Prometheus series the connector adds, where cache hits come from. A class cannot
-read ``inner_connector`` out of a config it is never shown, so the wrapper for a
-connector registered with vLLM is named after it: ``FaultInjectingNixlConnector``,
-``FaultInjectingLMCacheMPConnector``, ... (``FaultInjecting`` + the registered
-name; ``inner_connector`` may then be left out). Such a class is built on first
-lookup, the same in every process, by :mod:`~kvmetrics.faults.fault_mirror`:
-it declares every optional interface the inner class declares and answers vLLM's
-class-level questions with the inner class's answers; for a connector of one's own
-module, ``FaultInjectingMyConnector = fault_injecting(MyConnector)`` there. The plain
-``FaultInjectingConnector`` declares no interface, so vLLM would treat it as another
-connector (around NIXL: hybrid KV cache manager off on one side, a compatibility hash
-mismatch on every transfer); it refuses to start, with a one-line
-:class:`FaultConfigError` naming the class to use, whenever the inner class has
-anything it cannot show vLLM. What is forwarded and what is checked (vLLM's
-interface grows every release) is :mod:`kvmetrics.faults.fault_interface`;
-the mirrored classes are built in :mod:`kvmetrics.faults.fault_mirror`.
+**Invisible but for its faults.** vLLM asks the connector *class* (in processes that
+never build a connector) about interfaces, stats and hits; the plain class cannot know
+the inner connector there, so a connector is wrapped by a class named after it,
+``FaultInjecting<registered name>`` (built on first lookup by
+:mod:`~kvmetrics.faults.fault_mirror`) or ``fault_injecting(MyConnector)`` for one of
+one's own module. The plain ``FaultInjectingConnector`` refuses to start, with a
+one-line :class:`FaultConfigError` naming the class to use, whenever the inner class
+has anything it cannot show vLLM. What is forwarded and checked is
+:mod:`kvmetrics.faults.fault_interface`; how the inner connector is found and
+configured, :mod:`kvmetrics.faults.inner_connector`.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -94,6 +81,13 @@ from kvmetrics.faults.fault_plan import (
     parse_settings,
     poison_blocks,
 )
+from kvmetrics.faults.inner_connector import (
+    InnerOnly,
+    extra_config,
+    inner_class,
+    inner_transfer_config,
+    inner_vllm_config,
+)
 from kvmetrics.metrics.logs import get_logger
 
 __all__ = ["FaultConfigError", "FaultInjectingConnector", "FaultInjectingMetadata",
@@ -108,42 +102,6 @@ class FaultInjectingMetadata(KVConnectorMetadata):
 
     inner: Any = None
     faults: list[InjectedFault] = field(default_factory=list)
-
-
-def _inner_transfer_config(kv_transfer_config: Any, settings: FaultSettings) -> Any:
-    return dataclasses.replace(
-        kv_transfer_config, kv_connector=settings.inner_connector,
-        kv_connector_module_path=settings.inner_module_path,
-        kv_connector_extra_config=copy.deepcopy(settings.inner_extra_config))
-
-
-def _inner_vllm_config(vllm_config: Any, settings: FaultSettings) -> Any:
-    """A shallow copy of vLLM's config whose transfer config names the inner connector."""
-    inner = copy.copy(vllm_config)
-    object.__setattr__(inner, "kv_transfer_config",
-                       _inner_transfer_config(vllm_config.kv_transfer_config, settings))
-    return inner
-
-
-def _inner_class(kv_transfer_config: Any, settings: FaultSettings) -> type[KVConnectorBase_V1]:
-    """The inner connector's class, for the wrapper's transfer config (or an
-    :class:`_InnerOnly`, which names the inner connector already)."""
-    # A transfer config, or an _InnerOnly standing in for one: all the factory reads.
-    inner_config: Any = (kv_transfer_config if isinstance(kv_transfer_config, _InnerOnly)
-                         else _inner_transfer_config(kv_transfer_config, settings))
-    try:
-        cls = KVConnectorFactory.get_connector_class(inner_config)
-    except Exception as e:
-        key = "inner_module_path" if settings.inner_module_path else "inner_connector"
-        raise fail(key, f"cannot load connector {settings.inner_connector!r}: "
-                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-    if not (isinstance(cls, type) and issubclass(cls, KVConnectorBase_V1)):
-        raise fail("inner_connector", f"{settings.inner_connector!r} is not a v1 KV connector")
-    return cls
-
-
-def _extra(kv_transfer_config: Any) -> Any:
-    return getattr(kv_transfer_config, "kv_connector_extra_config", None)
 
 
 class FaultInjectingConnector(KVConnectorBase_V1):
@@ -183,12 +141,12 @@ class FaultInjectingConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.settings = self.parse(_extra(self._kv_transfer_config))
+        self.settings = self.parse(extra_config(self._kv_transfer_config))
         self.plan = FaultPlan(self.settings)
-        cls = _inner_class(self._kv_transfer_config, self.settings)
+        cls = inner_class(self._kv_transfer_config, self.settings)
         FaultInjectingConnector._last_inner_class = cls
         fault_mirror.refuse_unmirrored(type(self), cls, self.settings)
-        self._inner = cls(_inner_vllm_config(vllm_config, self.settings), role,
+        self._inner = cls(inner_vllm_config(vllm_config, self.settings), role,
                           kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
         self._num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
@@ -386,15 +344,15 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         where the inner class lacks it."""
         if param == "extra_config":
             settings = cls.parse(config)
-            inner = _inner_class(_InnerOnly(settings), settings)
+            inner = inner_class(InnerOnly(settings), settings)
             inner_config: Any = dict(settings.inner_extra_config)
         else:
             transfer = config if param == "kv_transfer_config" else config.kv_transfer_config
-            settings = cls.parse(_extra(transfer))
-            inner = _inner_class(transfer, settings)
-            inner_config = (_inner_transfer_config(transfer, settings)
+            settings = cls.parse(extra_config(transfer))
+            inner = inner_class(transfer, settings)
+            inner_config = (inner_transfer_config(transfer, settings)
                             if param == "kv_transfer_config"
-                            else _inner_vllm_config(config, settings))
+                            else inner_vllm_config(config, settings))
         method = getattr(inner, name, None)
         if method is None:
             return None if default is None else default(inner_config, *args, **kwargs)
@@ -431,12 +389,12 @@ class FaultInjectingConnector(KVConnectorBase_V1):
     def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
         """How the inner connector's workers reach the KV cache: vLLM's own answer for
         the inner config (its factory's, which also knows LMCache's legacy case)."""
-        settings = cls.parse(_extra(kv_transfer_config))
-        inner_config = _inner_transfer_config(kv_transfer_config, settings)
+        settings = cls.parse(extra_config(kv_transfer_config))
+        inner_config = inner_transfer_config(kv_transfer_config, settings)
         ask = getattr(KVConnectorFactory, "kv_cache_access", None)
         if ask is not None:
             return ask(inner_config)
-        inner = _inner_class(kv_transfer_config, settings)
+        inner = inner_class(kv_transfer_config, settings)
         if hasattr(inner, "kv_cache_access"):
             return inner.kv_cache_access(inner_config)
         try:
@@ -446,28 +404,6 @@ class FaultInjectingConnector(KVConnectorBase_V1):
         except ImportError:
             return None  # a vLLM without the question
         return KVCacheAccess.IN_PROCESS
-
-@dataclass
-class _InnerOnly:
-    """Just enough of a transfer config for the factory to find the inner class."""
-
-    settings: FaultSettings
-
-    @property
-    def kv_connector(self) -> str:
-        return self.settings.inner_connector
-
-    @property
-    def kv_connector_module_path(self) -> str | None:
-        return self.settings.inner_module_path
-
-    @property
-    def kv_connector_extra_config(self) -> dict[str, Any]:
-        return self.settings.inner_extra_config
-
-    def get_from_extra_config(self, key: str, default: Any) -> Any:
-        return self.settings.inner_extra_config.get(key, default)
-
 
 install(FaultInjectingConnector)
 
