@@ -429,14 +429,15 @@ def test_every_text_field_reaches_the_page_escaped(stale_run: tuple[Path, Path, 
 
 
 def test_the_report_builds_its_html_only_through_the_escaping_helper() -> None:
-    """No f-string or concatenation in report.py makes markup: a field added later goes
-    through markup.html(), which escapes it, or it does not reach the page."""
+    """No f-string or concatenation in the report's modules makes markup: a field added
+    later goes through markup.html(), which escapes it, or it does not reach the page."""
     import ast
 
     import kvmetrics.lab.report as report
+    import kvmetrics.lab.report_charts as charts
     import kvmetrics.lab.report_headline as headline
 
-    for module in (report, headline):
+    for module in (report, charts, headline):
         _no_markup_outside_the_helper(ast.parse(Path(module.__file__).read_text()))
 
 
