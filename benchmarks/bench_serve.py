@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import Row
-from benchmarks.vllm_server import ServerSpec, VllmServer, greedy_prompts, total
+from benchmarks.serve_requests import greedy_prompts
+from benchmarks.vllm_server import ServerSpec, VllmServer, total
 
 TARGET = 1.02
 #: vLLM's worker busy-polls its message queue for a second after the last step

@@ -50,11 +50,13 @@ SETTLE_S = 0.3
 #: A page still changing after this long (an engine still working) is returned as read.
 SETTLE_TIMEOUT_S = 10.0
 
-#: A tiny Llama: 2 layers, 2 heads of 64, vocabulary 1024, float32 (~2 MB of weights).
+
 def write_tiny_llama(folder: Path, seed: int = 0) -> Path:
-    """``config.json`` plus seeded random weights whose logits clearly depend on the prompt
-    (the demo model of ``kvmetrics demo-model``, saved here with the safetensors package,
-    so that the demo's own writer is checked against it in tests/test_demo.py)."""
+    """A tiny Llama (2 layers, 2 heads of 64, vocabulary 1024, float32, ~2 MB of
+    weights): ``config.json`` plus seeded random weights whose logits clearly depend on
+    the prompt (the demo model of ``kvmetrics demo-model``, saved here with the
+    safetensors package, so that the demo's own writer is checked against it in
+    tests/test_demo.py)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -419,21 +421,6 @@ class VllmServer:
         return list(re.finditer(pattern, self.log()))
 
 
-def output_tokens(body: dict[str, Any]) -> list[int]:
-    """The generated token ids of a one-choice completion answer."""
-    choice = body["choices"][0]
-    ids = choice.get("token_ids")
-    if ids is None:
-        raise ServerError(f"no token_ids in the answer: {body}")
-    return list(ids)
-
-
-def errored(answer: tuple[int, dict[str, Any]]) -> bool:
-    """Whether a completion answer (HTTP status, body) is an error a client sees."""
-    status, body = answer
-    return status != 200 or body["choices"][0].get("finish_reason") not in ("length", "stop")
-
-
 def total(page: str, name: str, **labels: str) -> float:
     """Sum of the samples named ``name`` whose labels include ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -467,39 +454,3 @@ def wait_until(check: Any, timeout: float, what: str, interval: float = 0.5,
             raise ServerError(f"timed out after {timeout:g} s waiting for {what} "
                               f"(last: {last!r}){extra}")
         time.sleep(interval)
-
-
-def greedy_prompts(count: int, seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    """Distinct token-id prompts (ids 3..1002) of the given lengths, cycled."""
-    import random
-
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 1003) for _ in range(lengths[i % len(lengths)])]
-            for i in range(count)]
-
-
-def request_id_of(body: dict[str, Any]) -> str:
-    """The completion's id (vLLM's engine request id starts with it)."""
-    return str(body.get("id", ""))
-
-
-def loaded_tokens(prompt: list[int]) -> int:
-    """What ExampleConnector loads: the prompt minus its last token, in whole blocks."""
-    return (len(prompt) - 2) // BLOCK_SIZE * BLOCK_SIZE
-
-
-def connector_config(storage: Path, policy: str, **faults: Any) -> dict[str, Any]:
-    """FaultInjectingConnector around ExampleConnector; a seeded half of loads fail."""
-    return {
-        "kv_connector": "FaultInjectingConnector",
-        "kv_connector_module_path": "kvmetrics.faults.connector",
-        "kv_role": "kv_both", "kv_load_failure_policy": policy,
-        "kv_connector_extra_config": {
-            "inner_connector": "ExampleConnector",
-            "inner_extra_config": {"shared_storage_path": str(storage)},
-            "fault_rate": 0.5, "fault_seed": 3, "fault_mode": "mixed", **faults},
-    }
-
-
-#: Prompts of the connector tests (sequential rounds): distinct, 70-150 tokens.
-CONNECTOR_PROMPTS = greedy_prompts(10, seed=5, lengths=(100, 70, 130, 150))

@@ -26,14 +26,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.vllm_server import (
-    ServerSpec,
-    VllmServer,
-    greedy_prompts,
-    output_tokens,
-    total,
-    wait_until,
-)
+from benchmarks.serve_requests import greedy_prompts, output_tokens
+from benchmarks.vllm_server import ServerSpec, VllmServer, total, wait_until
 
 pytestmark = pytest.mark.serve
 

@@ -33,14 +33,8 @@ import re
 
 import pytest
 
-from benchmarks.vllm_server import (
-    ServerSpec,
-    VllmServer,
-    greedy_prompts,
-    output_tokens,
-    total,
-    wait_until,
-)
+from benchmarks.serve_requests import greedy_prompts, output_tokens
+from benchmarks.vllm_server import ServerSpec, VllmServer, total, wait_until
 from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
 from tests.helpers.series_overlay import series_overlay
 from tests.helpers.slow_connector import SLOW_MARK

@@ -22,16 +22,14 @@ import re
 
 import pytest
 
-from benchmarks.vllm_server import (
+from benchmarks.serve_requests import (
     CONNECTOR_PROMPTS,
-    ServerSpec,
-    VllmServer,
     connector_config,
     errored,
     loaded_tokens,
     output_tokens,
-    total,
 )
+from benchmarks.vllm_server import ServerSpec, VllmServer, total
 
 pytestmark = pytest.mark.serve
 

@@ -39,16 +39,8 @@ import time
 
 import pytest
 
-from benchmarks.vllm_server import (
-    BLOCK_SIZE,
-    ServerSpec,
-    VllmServer,
-    errored,
-    greedy_prompts,
-    output_tokens,
-    total,
-    wait_until,
-)
+from benchmarks.serve_requests import errored, greedy_prompts, output_tokens
+from benchmarks.vllm_server import BLOCK_SIZE, ServerSpec, VllmServer, total, wait_until
 from tests.helpers.defect_server import disconnect, scripted_faults_config, send_unanswered
 from tests.helpers.load_only_connector import LOAD_ONLY_MARK
 from tests.helpers.series_overlay import series_overlay

@@ -36,17 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_server import (
-    BLOCK_SIZE,
-    CONNECTOR_PROMPTS,
-    RECOVERED,
-    ServerSpec,
-    VllmServer,
-    errored,
-    output_tokens,
-    total,
-    wait_until,
-)
+from benchmarks.serve_requests import CONNECTOR_PROMPTS, errored, output_tokens
+from benchmarks.vllm_server import BLOCK_SIZE, RECOVERED, ServerSpec, VllmServer, total, wait_until
 from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
 
 pytestmark = pytest.mark.serve

@@ -39,13 +39,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_server import (
-    RECOVERED,
-    VllmServer,
-    greedy_prompts,
-    output_tokens,
-    total,
-)
+from benchmarks.serve_requests import greedy_prompts, output_tokens
+from benchmarks.vllm_server import RECOVERED, VllmServer, total
 from kvmetrics.faults.fault_plan import FaultPlan, parse_settings
 from kvmetrics.metrics import catalogue
 from tests.helpers.nixl_pd import (

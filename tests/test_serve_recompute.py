@@ -39,18 +39,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.vllm_server import (
-    BLOCK_SIZE,
+from benchmarks.serve_requests import (
     CONNECTOR_PROMPTS,
-    RECOVERED,
-    ServerSpec,
-    VllmServer,
     connector_config,
     loaded_tokens,
     output_tokens,
     request_id_of,
-    total,
 )
+from benchmarks.vllm_server import BLOCK_SIZE, RECOVERED, ServerSpec, VllmServer, total
 from tests.helpers.prometheus import running_prometheus, scrape_config
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.serve]

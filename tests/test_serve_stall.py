@@ -26,14 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_server import (
-    BLOCK_SIZE,
-    RECOVERED,
-    ServerSpec,
-    VllmServer,
-    greedy_prompts,
-    output_tokens,
-)
+from benchmarks.serve_requests import greedy_prompts, output_tokens
+from benchmarks.vllm_server import BLOCK_SIZE, RECOVERED, ServerSpec, VllmServer
 from tests.helpers.lmcache_server import LMCacheServer, lmcache_transfer
 
 pytestmark = pytest.mark.serve

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.vllm_server import ServerSpec, VllmServer, connector_config
+from benchmarks.serve_requests import connector_config
+from benchmarks.vllm_server import ServerSpec, VllmServer
 
 pytestmark = pytest.mark.serve
 

@@ -26,15 +26,8 @@ import re
 
 import pytest
 
-from benchmarks.vllm_server import (
-    CONNECTOR_PROMPTS,
-    RECOVERED,
-    ServerSpec,
-    VllmServer,
-    connector_config,
-    output_tokens,
-    total,
-)
+from benchmarks.serve_requests import CONNECTOR_PROMPTS, connector_config, output_tokens
+from benchmarks.vllm_server import RECOVERED, ServerSpec, VllmServer, total
 
 pytestmark = [pytest.mark.serve, pytest.mark.vllm]
 
