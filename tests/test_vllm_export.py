@@ -76,6 +76,16 @@ def test_scrape_page_passes_promtool_and_binds_loopback() -> None:
 
 
 def test_the_build_info_says_which_replicas_run_the_protective_recovery() -> None:
+    """Where the fix is verified for this vLLM; elsewhere (0.28 to 0.31 are verified for
+    the metrics only) the scheduler refuses to start with the fix on, in one line."""
+    from kvmetrics.vllm import fingerprints
+
+    refusal = fingerprints.protect_allowed(fingerprints.check_safely())
+    if refusal is not None:
+        with pytest.raises(RuntimeError) as caught:
+            failing_engine({"metrics_addr": "127.0.0.1:0", "recovery": "evict"})
+        assert str(caught.value) == refusal and "\n" not in refusal
+        return
     engine = failing_engine({"metrics_addr": "127.0.0.1:0", "recovery": "evict"})
     exporter = engine.scheduler.kvmetrics_exporter
     try:
